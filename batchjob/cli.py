@@ -1,0 +1,211 @@
+"""`batchjob`: run, validate and report nightly video-classification jobs.
+
+Exit codes are for cron and CI: 0 done, 1 runtime failure or too many error rows, 2 bad config.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+out = Console(soft_wrap=True)   # never break a path across lines: users grep logs
+err = Console(stderr=True, soft_wrap=True)
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+NO_PRELOAD_ENV = "BATCHJOB_NO_OPENBLAS"
+
+
+def _bad_config(message: str) -> typer.Exit:
+    err.print(f"[bold red]config error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
+def _summary_table(stats, summary: dict | None) -> Table:
+    t = Table(title="batchjob run", show_header=False)
+    t.add_row("rows (dataset)", str(stats.total_rows))
+    t.add_row("skipped (already done)", str(stats.skipped_rows))
+    t.add_row("answered this run", str(stats.done_rows))
+    t.add_row("error rows this run", str(stats.error_rows))
+    t.add_row("rows/s (whole run)", f"{stats.rows_per_s:.2f}")
+    t.add_row("wall time", f"{stats.wall_s:.1f} s (streaming {stats.stream_s:.1f} s)")
+    if stats.done_rows:
+        t.add_row("overlap efficiency", f"{stats.overlap_efficiency:.2f} (wall / busiest stage; 1.0 = ideal)")
+    if stats.model:
+        t.add_row("model", stats.model)
+    if summary and summary.get("accuracy") is not None:
+        t.add_row("accuracy (all output)", f"{summary['accuracy']:.4f} over {summary['scored']} rows")
+    return t
+
+
+def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool, ray_address: str | None,
+         quiet: bool = False) -> None:
+    from batchjob.config import ConfigError, load_config
+    from batchjob.pipeline.job import EngineStartError, run_job
+    from batchjob.pipeline.output import OutputMismatch
+    from batchjob.pipeline.report import summarize
+
+    try:
+        cfg = load_config(config).with_overrides(limit=limit, output=str(output) if output else None,
+                                                 ray_address=ray_address)
+    except ConfigError as e:
+        raise _bad_config(str(e))
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[rate]:.2f} rows/s"), TimeRemainingColumn(),
+                        TextColumn("errors {task.fields[errors]}"), console=err, disable=quiet)
+    task = progress.add_task(cfg.job, total=None, rate=0.0, errors=0)
+
+    def on_start(s) -> None:
+        progress.update(task, total=s.total_rows - s.skipped_rows, completed=0)
+
+    def on_progress(s) -> None:
+        progress.update(task, completed=s.done_rows, errors=s.error_rows,
+                        rate=s.done_rows / s.stream_s if s.stream_s else 0.0)
+
+    try:
+        with progress:
+            stats = run_job(cfg, restart=restart, on_start=on_start, on_progress=on_progress)
+    except (ConfigError, OutputMismatch) as e:
+        raise _bad_config(str(e))
+    except EngineStartError as e:
+        err.print(f"[bold red]engine error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        err.print("interrupted: finished rows are saved; rerun the same command to resume")
+        raise typer.Exit(130)
+    except Exception as e:  # a runtime failure at 3 a.m.: say what, keep what was written, exit 1
+        err.print(f"[bold red]run failed:[/] {type(e).__name__}: {e}", highlight=False, soft_wrap=True)
+        err.print("finished rows are saved; rerun the same command to resume")
+        raise typer.Exit(1)
+    try:
+        summary = summarize(cfg.output.directory)
+    except FileNotFoundError:
+        summary = None
+    if not quiet:
+        out.print(_summary_table(stats, summary))
+    frac = stats.error_rows / stats.done_rows if stats.done_rows else 0.0
+    if frac > cfg.runtime.max_error_fraction:
+        err.print(f"[bold red]{stats.error_rows} of {stats.done_rows} rows failed ({frac:.1%}), above "
+                  f"runtime.max_error_fraction {cfg.runtime.max_error_fraction:.1%}[/]; see the `error` column")
+        raise typer.Exit(1)
+
+
+@app.command()
+def run(config: Path = typer.Argument(..., help="job config YAML"),
+        limit: Optional[int] = typer.Option(None, help="only the first N questions"),
+        output: Optional[Path] = typer.Option(None, help="output directory (overrides output.directory)"),
+        restart: bool = typer.Option(False, help="discard existing results in the output directory"),
+        ray_address: Optional[str] = typer.Option(None, help="join this Ray cluster (host:port)"),
+        quiet: bool = typer.Option(False, help="no progress bar or summary")) -> None:
+    """Run a job, or resume it: rows already in the output are skipped."""
+    _run(config, limit=limit, output=output, restart=restart, ray_address=ray_address, quiet=quiet)
+
+
+@app.command()
+def validate(config: Path = typer.Argument(..., help="job config YAML")) -> None:
+    """Check a config and its inputs without running anything (exit 2 when something is wrong)."""
+    from batchjob.config import ConfigError, load_config
+    from batchjob.pipeline.job import preflight
+
+    try:
+        cfg = load_config(config)
+        rows = preflight(cfg)
+    except ConfigError as e:
+        raise _bad_config(str(e))
+    clips = len({r.video for r in rows})
+    out.print(f"{config}: ok: job {cfg.job!r}, {len(rows)} questions on {clips} clips, "
+              f"fingerprint {cfg.fingerprint()}, output {cfg.output.directory}", highlight=False)
+
+
+@app.command()
+def report(output: Path = typer.Argument(..., help="a job's output directory"),
+           as_json: bool = typer.Option(False, "--json", help="machine-readable summary")) -> None:
+    """Accuracy overall and per category, throughput and errors, from the Parquet output alone."""
+    from batchjob.pipeline.report import summarize
+
+    try:
+        s = summarize(output)
+    except FileNotFoundError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(2)
+    if as_json:
+        print(json.dumps(s, indent=2))
+        return
+    t = Table(title=f"{s['job'] or output}: {s['rows']} rows", show_header=True)
+    t.add_column("category")
+    t.add_column("n", justify="right")
+    t.add_column("accuracy", justify="right")
+    for cat, v in s["per_category"].items():
+        t.add_row(cat, str(v["n"]), f"{v['accuracy']:.4f}")
+    acc = f"{s['accuracy']:.4f}" if s["accuracy"] is not None else "n/a"
+    t.add_row("[bold]overall", f"[bold]{s['scored']}", f"[bold]{acc}")
+    out.print(t)
+    rate = f"{s['rows_per_s']:.2f}" if s["rows_per_s"] else "n/a"
+    out.print(f"errors {s['errors']}  |  loader {', '.join(s['loaders'])}  |  model {', '.join(s['models'])}  |  "
+              f"{len(s['runs'])} run(s), {rate} rows/s", highlight=False)
+
+
+@app.command()
+def loaders() -> None:
+    """List the video loaders a config can name in `loader.name`."""
+    from batchjob.loaders import get_loader, list_loaders
+
+    for name in list_loaders():
+        doc = (get_loader(name).__doc__ or "").strip().splitlines()
+        out.print(f"[bold]{name}[/]  {doc[0] if doc else ''}", highlight=False)
+
+
+@app.command()
+def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets (default $BATCHJOB_CACHE or "
+                                                          "~/.cache/batchjob)"),
+         clips: int = typer.Option(12, min=1, help="number of synthetic clips (3 questions each)")) -> None:
+    """Build a tiny model and synthetic clips locally, then run the whole pipeline on them."""
+    from batchjob.demo import build_demo
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")   # everything is local; never wait on a hub lookup
+    err.print("building demo assets (tiny random checkpoint, synthetic clips)...")
+    config = build_demo(cache, clips)
+    err.print(f"running {config}")
+    _run(config, limit=None, output=None, restart=True, ray_address=None)
+    out.print(f"results: batchjob report {config.parent / 'output'}", highlight=False)
+
+
+@app.command()
+def versions() -> None:
+    """Versions and the BLAS preload, for bug reports (the same versions go into every output file)."""
+    from batchjob.pipeline.job import versions as collect
+
+    for k, v in collect().items():
+        out.print(f"{k:14s} {v}", highlight=False)
+    preloaded = OPENBLAS in os.environ.get("LD_PRELOAD", "").split(":")
+    out.print(f"{'openblas':14s} {'preloaded' if preloaded else 'not preloaded'}", highlight=False)
+
+
+def _reexec_with_openblas() -> None:
+    """MLX's Linux CPU wheel ships a slow reference BLAS; the system OpenBLAS makes fp32 ~30x faster.
+
+    It must be loaded before the process starts, so re-exec once with LD_PRELOAD set (cron users will
+    not set it). BATCHJOB_NO_OPENBLAS=1 opts out.
+    """
+    if (not sys.platform.startswith("linux") or os.environ.get(NO_PRELOAD_ENV) == "1"
+            or not os.path.exists(OPENBLAS) or OPENBLAS in os.environ.get("LD_PRELOAD", "").split(":")):
+        return
+    env = dict(os.environ, LD_PRELOAD=":".join(p for p in (OPENBLAS, os.environ.get("LD_PRELOAD")) if p))
+    env[NO_PRELOAD_ENV] = "1"   # never loop, whatever happens to LD_PRELOAD
+    os.execve(sys.executable, [sys.executable, "-m", "batchjob.cli", *sys.argv[1:]], env)
+
+
+def main() -> None:
+    _reexec_with_openblas()
+    app(prog_name="batchjob")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Job configuration: the YAML a nightly cron line points at, validated before any work starts.
+
+A bad config must fail in the first second with a message that names the file and the key, never
+after an hour of decoding. So the schema forbids unknown keys and type coercion, relative paths are
+resolved against the config file (cron runs from an arbitrary working directory), and every path the
+job will read is checked up front.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(Exception):
+    """A config problem the user fixes by editing the YAML (the CLI exits with code 2)."""
+
+
+class _Section(BaseModel):
+    # strict: "16" is not silently 16; extra=forbid: a typo such as `num_frame` is an error, not a default.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class DatasetConfig(_Section):
+    adapter: Literal["nextqa", "mvbench", "manifest"]
+    annotation: str = Field(description="NExTQA MC csv/parquet, MVBench json file or directory, manifest jsonl/csv")
+    video_root: str | None = Field(None, description="directory the annotation's video names are relative to")
+    limit: int | None = Field(None, ge=1, description="only the first N questions (smoke runs)")
+    options: dict[str, Any] = Field(default_factory=dict, description="adapter-specific settings")
+
+
+class ModelConfig(_Section):
+    checkpoint: str = Field(description="Hugging Face-format checkpoint directory, or a hub id (org/name) "
+                            "when no such directory exists; write ./org/name to insist on a path")
+    engine: str = "mlx"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    min_pixels: int | None = Field(None, ge=1)
+    max_pixels: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=16)
+    max_model_len: int = Field(32768, ge=16)
+    memory_budget_gb: float | None = Field(None, gt=0)
+
+    @field_validator("memory_budget_gb", mode="before")
+    @classmethod
+    def _int_is_a_float(cls, v: Any) -> Any:
+        # YAML writes `8` for 8.0; strict mode would reject it, which helps nobody.
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+class LoaderConfig(_Section):
+    name: str = "pyav_keyframes"
+    num_frames: int = Field(16, ge=1, le=512)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class PromptConfig(_Section):
+    template: str | None = Field(None, description="None = the engine's default; must contain {question} and {options}")
+    system: str | None = None
+    option_labels: list[str] = Field(default_factory=lambda: ["A", "B", "C", "D", "E"], min_length=2)
+
+    @field_validator("template")
+    @classmethod
+    def _has_placeholders(cls, v: str | None) -> str | None:
+        if v is not None:
+            missing = [p for p in ("{question}", "{options}") if p not in v]
+            if missing:
+                raise ValueError(f"template must contain {' and '.join(missing)}")
+        return v
+
+    @field_validator("option_labels")
+    @classmethod
+    def _unique_labels(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v) or any(not s.strip() for s in v):
+            raise ValueError(f"option labels must be distinct and non-empty, got {v}")
+        return v
+
+
+class RuntimeConfig(_Section):
+    decode_actors: int = Field(2, ge=1)
+    engine_actors: int = Field(1, ge=1)
+    decode_cpus: float = Field(1.0, gt=0)
+    engine_cpus: float = Field(1.0, gt=0)
+    frames_in_flight: int = Field(8, ge=1, description="clips decoded or being classified at once (memory bound)")
+    clips_per_batch: int = Field(4, ge=1, description="clips handed to the engine per call (packing width)")
+    decode_timeout_s: float = Field(120.0, gt=0, description="a decode taking longer costs the clip an error row")
+    ray_address: str | None = Field(None, description="join this Ray cluster; None = private local Ray on 127.0.0.1")
+    max_error_fraction: float = Field(0.05, ge=0, le=1, description="exit 1 when more rows than this fail")
+
+    @field_validator("decode_cpus", "engine_cpus", "decode_timeout_s", "max_error_fraction", mode="before")
+    @classmethod
+    def _int_is_a_float(cls, v: Any) -> Any:
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+class OutputConfig(_Section):
+    directory: str
+    rows_per_part: int = Field(512, ge=1)
+    flush_seconds: float = Field(30.0, gt=0, description="a part is written at least this often while rows arrive")
+
+    @field_validator("flush_seconds", mode="before")
+    @classmethod
+    def _int_is_a_float(cls, v: Any) -> Any:
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+class JobConfig(_Section):
+    job: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    dataset: DatasetConfig
+    model: ModelConfig
+    loader: LoaderConfig = LoaderConfig()
+    prompt: PromptConfig = PromptConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    output: OutputConfig
+    source: str | None = Field(None, description="the YAML file this came from (set by load_config)")
+
+    def fingerprint(self) -> str:
+        """Hash of every setting that changes an answer, so resumed rows never mix two setups.
+
+        Excluded on purpose: paths of the dataset (moving data must not invalidate results), limit (a
+        smoke run resumes into the full run), runtime and output (they change speed, not answers).
+        """
+        m = self.model
+        answer_inputs = {
+            "dataset_adapter": self.dataset.adapter,
+            "model": {"checkpoint": m.checkpoint, "engine": m.engine, "dtype": m.dtype,
+                      "min_pixels": m.min_pixels, "max_pixels": m.max_pixels},
+            "loader": self.loader.model_dump(),
+            "prompt": self.prompt.model_dump(),
+        }
+        blob = json.dumps(answer_inputs, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def with_overrides(self, *, limit: int | None = None, output: str | None = None,
+                       ray_address: str | None = None) -> "JobConfig":
+        """Apply CLI flags (paths relative to the caller's working directory)."""
+        upd: dict[str, Any] = {}
+        if limit is not None:
+            if limit < 1:
+                raise ConfigError(f"--limit must be >= 1, got {limit}")
+            upd["dataset"] = self.dataset.model_copy(update={"limit": limit})
+        if output is not None:
+            upd["output"] = self.output.model_copy(update={"directory": str(Path(output).expanduser().resolve())})
+        if ray_address is not None:
+            upd["runtime"] = self.runtime.model_copy(update={"ray_address": ray_address})
+        return self.model_copy(update=upd)
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _resolve(base: Path, value: str) -> str:
+    return str((base / Path(value).expanduser()).resolve())
+
+
+def _format_validation(path: Path, err: ValidationError) -> str:
+    lines = [f"{path}: invalid job config:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check spelling; see configs/nextqa.yaml for every key)"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {key}: {msg} (got {e.get('input')!r})" if e["type"] != "missing" else f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(raw: Any, path: Path) -> JobConfig:
+    """Validate a parsed YAML document and resolve its relative paths against `path`'s directory."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a job config is a YAML mapping (job:, dataset:, model:, ...), got {type(raw).__name__}")
+    try:
+        cfg = JobConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation(path, err)) from None
+    base = path.parent
+    ds = cfg.dataset.model_copy(update={
+        "annotation": _resolve(base, cfg.dataset.annotation),
+        "video_root": _resolve(base, cfg.dataset.video_root) if cfg.dataset.video_root else None,
+    })
+    ckpt = cfg.model.checkpoint
+    local = base / Path(ckpt).expanduser()
+    # A hub id ("Qwen/Qwen2.5-VL-7B-Instruct") stays as is unless a directory of that name sits beside the config.
+    if local.exists() or not _HUB_ID.match(ckpt):
+        ckpt = str(local.resolve())
+    return cfg.model_copy(update={
+        "dataset": ds,
+        "model": cfg.model.model_copy(update={"checkpoint": ckpt}),
+        "output": cfg.output.model_copy(update={"directory": _resolve(base, cfg.output.directory)}),
+        "source": str(path.resolve()),
+    })
+
+
+def load_config(path: str | Path) -> JobConfig:
+    """Read and validate a job YAML; raises ConfigError naming the file and key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return parse_config(raw, path)
+
+
+def check_paths(cfg: JobConfig) -> None:
+    """Every input the job reads must exist before Ray starts; the message says how to get it."""
+    where = cfg.source or "config"
+    ds = cfg.dataset
+    hint = {"nextqa": "scripts/prepare_nextqa.py", "mvbench": "scripts/prepare_mvbench.py"}.get(ds.adapter)
+    fetch = f" (prepare it with {hint})" if hint else ""
+    if not Path(ds.annotation).exists():
+        raise ConfigError(f"{where}: dataset.annotation: file not found: {ds.annotation}{fetch}")
+    if ds.video_root and not Path(ds.video_root).is_dir():
+        raise ConfigError(f"{where}: dataset.video_root: directory not found: {ds.video_root}{fetch}")
+    ckpt = cfg.model.checkpoint
+    if Path(ckpt).is_absolute() and not Path(ckpt).is_dir():
+        raise ConfigError(f"{where}: model.checkpoint: directory not found: {ckpt} "
+                          "(a local Hugging Face checkpoint directory, or a hub id such as Qwen/Qwen2.5-VL-7B-Instruct)")
+    out = Path(cfg.output.directory)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{where}: output.directory: exists and is not a directory: {out}")

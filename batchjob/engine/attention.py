@@ -1,0 +1,90 @@
+"""The language model's attention, swapped for paged varlen attention over the engine's KV cache.
+
+vllm-metal's approach: each decoder layer's attention module is wrapped; the wrapper reuses the original
+projections and rotary embedding, and replaces only the cache write and the attention itself. When no paged
+context is set the wrapper delegates to the original module, so the model still works as mlx-vlm built it
+(generation, its own tests). The context is an explicit object set around one packed forward pass
+(nano-vllm style) rather than arguments threaded through mlx-vlm's layer signatures.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from batchjob.metal_backend import AttentionMetadata, KVCache, write_kv
+
+AttentionFn = Callable[[mx.array, mx.array, mx.array, AttentionMetadata, float], mx.array]
+
+
+@dataclass
+class AttentionContext:
+    """Everything a layer needs for one packed forward: metadata, the cache, the attention function."""
+
+    meta: AttentionMetadata
+    kv_cache: KVCache
+    attention: AttentionFn
+
+
+_CONTEXT: AttentionContext | None = None
+
+
+@contextmanager
+def attention_context(ctx: AttentionContext) -> Iterator[None]:
+    global _CONTEXT
+    previous, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield
+    finally:
+        _CONTEXT = previous
+
+
+class PagedAttention(nn.Module):
+    """Wraps one mlx-vlm Qwen2-VL attention module (q/k/v/o projections + M-RoPE)."""
+
+    def __init__(self, inner: nn.Module, layer_index: int):
+        super().__init__()
+        self.inner = inner
+        self.layer_index = layer_index
+        # The rotary application lives next to the attention class in mlx-vlm (its layout differs per family).
+        self._apply_rope = sys.modules[type(inner).__module__].apply_multimodal_rotary_pos_emb
+
+    @property
+    def rotary_emb(self):
+        """mlx-vlm's decoder reads `layers[0].self_attn.rotary_emb`; keep that working through the wrapper."""
+        return self.inner.rotary_emb
+
+    def __call__(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None):
+        ctx = _CONTEXT
+        if ctx is None:
+            return self.inner(x, mask=mask, cache=cache, position_ids=position_ids,
+                              position_embeddings=position_embeddings)
+        if position_embeddings is None:
+            raise ValueError("paged attention needs precomputed M-RoPE (cos, sin); the engine's forward passes them")
+        inner = self.inner
+        _, num_tokens, _ = x.shape  # the packed batch is one row: [1, T, hidden]
+        q = inner.q_proj(x).reshape(1, num_tokens, inner.n_heads, inner.head_dim).transpose(0, 2, 1, 3)
+        k = inner.k_proj(x).reshape(1, num_tokens, inner.n_kv_heads, inner.head_dim).transpose(0, 2, 1, 3)
+        v = inner.v_proj(x).reshape(num_tokens, inner.n_kv_heads, inner.head_dim)
+        cos, sin = position_embeddings
+        q, k = self._apply_rope(q, k, cos, sin, 1)
+        q = q[0].transpose(1, 0, 2)
+        k = k[0].transpose(1, 0, 2)
+        cache, layer = ctx.kv_cache, self.layer_index
+        cache.k[layer], cache.v[layer] = write_kv(cache.k[layer], cache.v[layer], k, v, ctx.meta)
+        out = ctx.attention(q, cache.k[layer], cache.v[layer], ctx.meta, inner.scale)
+        return inner.o_proj(out.reshape(1, num_tokens, -1))
+
+
+def install_paged_attention(language_model: nn.Module) -> int:
+    """Wrap every decoder layer's attention in place (idempotent); returns the number of layers."""
+    layers = language_model.model.layers
+    for i, layer in enumerate(layers):
+        if not isinstance(layer.self_attn, PagedAttention):
+            layer.self_attn = PagedAttention(layer.self_attn, i)
+    return len(layers)

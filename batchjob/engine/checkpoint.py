@@ -1,0 +1,127 @@
+"""Loading a Qwen2-VL / Qwen2.5-VL checkpoint with mlx-vlm's model definitions, with load-time checks.
+
+Every problem we can see before the first request (unknown architecture, missing files, a layout mlx-vlm
+cannot read) is an EngineError naming the path and the fix: a nightly job should fail at start, not at 3 a.m.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .preprocess import VisionSettings, load_vision_settings
+from .types import EngineConfig, EngineError
+
+SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass
+class LoadedCheckpoint:
+    model: nn.Module  # mlx-vlm Model: .vision_tower, .language_model
+    model_type: str
+    model_id: str
+    path: Path
+    hf_config: dict
+    tokenizer: object
+    vision: VisionSettings
+    video_token_id: int
+    tokens_per_second: float | None  # None for Qwen2-VL (temporal positions step by one)
+    dtype: mx.Dtype
+    weights_bytes: int
+
+
+def resolve_model_dir(model: str | os.PathLike) -> Path:
+    """A local checkpoint directory, or a hub id downloaded where the network allows."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise EngineError(f"{path} is a file; pass the checkpoint directory (with config.json and *.safetensors)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"]))
+    except Exception as exc:  # offline, unknown id, auth: all mean "no checkpoint here"
+        raise EngineError(
+            f"model {str(model)!r} is not a local directory and could not be fetched from the Hugging Face hub "
+            f"({type(exc).__name__}: {exc}); pass the path of a downloaded checkpoint directory"
+        ) from exc
+
+
+def _read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise EngineError(f"{path}: no config.json; this is not a Hugging Face checkpoint directory")
+    config = json.loads(config_file.read_text())
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise EngineError(
+            f"{config_file}: model_type {model_type!r} is not supported; the engine runs {SUPPORTED_MODEL_TYPES} "
+            "checkpoints (Qwen2-VL / Qwen2.5-VL)"
+        )
+    if "hidden_size" not in config:
+        raise EngineError(
+            f"{config_file}: text settings are nested under text_config (transformers 5 save_pretrained layout), "
+            "which mlx-vlm cannot read; use the hub's flat layout (hidden_size etc. at top level, "
+            "rope_scaling: {type: mrope, mrope_section: [...]})"
+        )
+    return config
+
+
+def _check_files(path: Path) -> None:
+    if not list(path.glob("*.safetensors")):
+        raise EngineError(f"{path}: no *.safetensors weight files; download the checkpoint's weights into it")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
+        raise EngineError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them in")
+
+
+def compute_dtype(config: EngineConfig, hf_config: dict) -> mx.Dtype:
+    """fp32 on CPU (MLX has fast BLAS only for fp32 there); the checkpoint's own dtype on a GPU."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if mx.default_device() == mx.cpu:
+        return mx.float32
+    return _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"), mx.float32)
+
+
+def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedCheckpoint:
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import load_model
+    from transformers import AutoTokenizer
+
+    path = resolve_model_dir(model)
+    hf_config = _read_config(path)
+    _check_files(path)
+    vision = load_vision_settings(path, config.min_pixels, config.max_pixels)
+    try:
+        mlx_model = load_model(path)
+    except Exception as exc:
+        raise EngineError(f"{path}: mlx-vlm could not build the model ({type(exc).__name__}: {exc})") from exc
+    dtype = compute_dtype(config, hf_config)
+    mlx_model.set_dtype(dtype)
+    mx.eval(mlx_model.parameters())
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise EngineError(f"{path}: the tokenizer could not be loaded ({type(exc).__name__}: {exc})") from exc
+    vision_config = hf_config.get("vision_config") or {}
+    is_qwen25 = hf_config["model_type"] == "qwen2_5_vl"
+    return LoadedCheckpoint(
+        model=mlx_model,
+        model_type=hf_config["model_type"],
+        model_id=str(model),
+        path=path,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        vision=vision,
+        video_token_id=int(hf_config.get("video_token_id", 151656)),
+        tokens_per_second=float(vision_config.get("tokens_per_second", 2)) if is_qwen25 else None,
+        dtype=dtype,
+        weights_bytes=sum(v.nbytes for _, v in tree_flatten(mlx_model.parameters())),
+    )

@@ -1,0 +1,189 @@
+"""`Classifier`: multiple-choice questions about video clips, answered by one prefill per question.
+
+The answer is the option label whose token has the highest logit at the prompt's last position; the
+probabilities are a softmax over the option labels' logits only (the model's preference among the offered
+answers, not its probability of emitting that token among the whole vocabulary).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+from typing import Sequence as Seq
+
+import mlx.core as mx
+import numpy as np
+
+from batchjob.metal_backend import BlockPool, KVCache, KVCacheBudgetError, paged_attention, plan_num_blocks
+
+from .attention import install_paged_attention
+from .checkpoint import LoadedCheckpoint, load_checkpoint
+from .mrope import mrope_positions, placeholder_runs, video_temporal_interval
+from .preprocess import image_processor, preprocess_video, sampling_fps
+from .prompt import PromptBuilder
+from .runner import encode_video, forward
+from .scheduler import Scheduler, Sequence
+from .types import ClassifyRequest, ClassifyResult, EngineConfig, EngineError
+
+log = logging.getLogger(__name__)
+
+# The KV pool holds this many maximum-size requests at most: prefill-only sequences leave as soon as their
+# last token is computed, so more blocks only extend how long finished prefixes stay cached.
+KV_REQUESTS_CAP = 4
+
+
+def _default_budget_bytes() -> int:
+    """Half the machine's physical memory (the other half is for decoding, Ray and the OS)."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
+
+
+def _select_attention(config: EngineConfig):
+    """(name, function): the backend selector of metal_backend when present, else the portable path."""
+    if config.attention_backend == "portable":
+        return "portable", paged_attention
+    try:
+        from batchjob.metal_backend import select_attention_backend
+    except ImportError:
+        if config.attention_backend == "metal":
+            raise EngineError("attention_backend='metal' requested but batchjob.metal_backend has no kernels here")
+        return "portable", paged_attention
+    backend = select_attention_backend(probe=True)
+    log.info("attention backend %s (%s)", backend.name, getattr(backend, "reason", ""))
+    if config.attention_backend == "metal" and backend.name != "metal":
+        raise EngineError(f"attention_backend='metal' requested but unavailable: {getattr(backend, 'reason', '')}")
+    return backend.name, backend
+
+
+def _smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+class Classifier:
+    """Prefill-only VLM classifier over a paged KV cache; see `from_pretrained`."""
+
+    def __init__(self, checkpoint: LoadedCheckpoint, config: EngineConfig):
+        self.config = config
+        self.checkpoint = checkpoint
+        self.model_id = checkpoint.model_id
+        self.prompts = PromptBuilder(checkpoint.tokenizer, config, checkpoint.video_token_id, str(checkpoint.path))
+        self.attention_backend, self._attention = _select_attention(config)
+        lm = checkpoint.model.language_model
+        num_layers = install_paged_attention(lm)
+        head_dim, kv_heads = lm.head_dim, lm.n_kv_heads
+        budget = (int(config.memory_budget_gb * 2**30) if config.memory_budget_gb else _default_budget_bytes())
+        dtype_bytes = mx.zeros((), dtype=checkpoint.dtype).itemsize
+        try:
+            num_blocks = plan_num_blocks(
+                memory_budget_bytes=budget, weights_bytes=checkpoint.weights_bytes, num_layers=num_layers,
+                num_kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, block_size=config.block_size,
+                max_model_len=config.max_model_len)
+        except KVCacheBudgetError as exc:
+            raise EngineError(str(exc)) from exc
+        cap_tokens = KV_REQUESTS_CAP * max(config.max_model_len, config.max_num_batched_tokens)
+        num_blocks = min(num_blocks, -(-cap_tokens // config.block_size))
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.kv_cache = KVCache(num_layers, num_blocks, config.block_size, kv_heads, head_dim, checkpoint.dtype)
+        self._processor = image_processor(checkpoint.vision)
+        self.vision_calls = 0  # vision-tower runs, one per clip encoded
+        self._call_ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike, config: EngineConfig | None = None) -> "Classifier":
+        """Load a Qwen2-VL / Qwen2.5-VL checkpoint (directory or hub id); EngineError on any load problem."""
+        config = config or EngineConfig()
+        config.validate()
+        return cls(load_checkpoint(model, config), config)
+
+    # --- request preparation ---------------------------------------------------------------------------
+    def _prepare(self, index: int, request: ClassifyRequest, call_id: int) -> Sequence:
+        frames, vision = request.clip.frames, self.checkpoint.vision
+        if not (isinstance(frames, np.ndarray) and frames.ndim == 4 and frames.shape[-1] == 3 and len(frames)):
+            raise ValueError(f"clip frames must be a non-empty uint8 array [T, H, W, 3], got {getattr(frames, 'shape', None)}")
+        if frames.dtype != np.uint8:
+            raise ValueError(f"clip frames must be uint8 RGB, got dtype {frames.dtype}")
+        factor = vision.patch_size * vision.merge_size
+        height, width = _smart_resize(frames.shape[1], frames.shape[2], factor, vision.min_pixels, vision.max_pixels)
+        grid = (math.ceil(len(frames) / vision.temporal_patch_size), height // vision.patch_size,
+                width // vision.patch_size)
+        num_video = grid[0] * grid[1] * grid[2] // vision.merge_size**2
+        ids = self.prompts.token_ids(request.question, request.options, num_video)
+        if len(ids) > self.config.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens ({num_video} for the video), longer than max_model_len "
+                f"{self.config.max_model_len}; use fewer frames or a lower max_pixels, or raise max_model_len")
+        spg = vision.temporal_patch_size / sampling_fps(request.clip.metadata)
+        interval = video_temporal_interval(self.checkpoint.tokens_per_second, spg)
+        positions = mrope_positions(ids, self.checkpoint.video_token_id, [grid], [interval], vision.merge_size)
+        share = self.config.enable_prefix_sharing
+        return Sequence(
+            index=index, seq_id=f"{call_id}:{index}",
+            media_key=request.clip.media_id if share else f"{request.clip.media_id}#{call_id}:{index}",
+            token_ids=ids, positions=positions, video_span=placeholder_runs(ids, self.checkpoint.video_token_id)[0],
+            option_token_ids=self.prompts.option_token_ids(len(request.options)), share_prefix=share,
+            grid_thw=grid)
+
+    def _encode_missing(self, batch, features: dict, requests: Seq[ClassifyRequest]) -> None:
+        """Run the vision tower for clips whose video tokens are computed now and are not encoded yet."""
+        for item in batch:
+            seq = item.seq
+            lo, hi = seq.num_computed, seq.num_computed + item.num_new
+            if seq.media_key in features or hi <= seq.video_span[0] or lo >= seq.video_span[1]:
+                continue
+            clip = requests[seq.index].clip
+            inputs = preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision, self._processor)
+            if inputs.grid_thw != seq.grid_thw:
+                raise RuntimeError(f"processor grid {inputs.grid_thw} != planned grid {seq.grid_thw} for {clip.media_id}")
+            features[seq.media_key] = encode_video(self.checkpoint.model, inputs.pixel_values, inputs.grid_thw,
+                                                   self.checkpoint.dtype)
+            self.vision_calls += 1
+
+    # --- the loop ------------------------------------------------------------------------------------------
+    def classify(self, requests: Seq[ClassifyRequest]) -> list[ClassifyResult]:
+        """Answer every request; results come back in request order, failed requests as error results."""
+        call_id = next(self._call_ids)
+        results: list[ClassifyResult | None] = [None] * len(requests)
+        scheduler = Scheduler(self.pool, self.config.max_num_batched_tokens)
+        pending: dict[str, int] = {}
+        # Requests of one clip go together: stable grouping by media id in first-appearance order.
+        first_seen: dict[str, int] = {}
+        for i, r in enumerate(requests):
+            first_seen.setdefault(r.clip.media_id, i)
+        order = sorted(range(len(requests)), key=lambda i: first_seen[requests[i].clip.media_id])
+        for i in order:
+            try:
+                seq = self._prepare(i, requests[i], call_id)
+            except ValueError as exc:
+                results[i] = ClassifyResult(requests[i].request_id, None, [], 0, 0, error=str(exc))
+                continue
+            scheduler.add(seq)
+            pending[seq.media_key] = pending.get(seq.media_key, 0) + 1
+        features: dict = {}
+        try:
+            while scheduler.has_work():
+                batch = scheduler.schedule()
+                self._encode_missing(batch, features, requests)
+                out = forward(self.checkpoint.model, batch, self.kv_cache, self._attention, features)
+                for row, slot in enumerate(out.finished_slices):
+                    seq = batch[slot].seq
+                    results[seq.index] = _result(requests[seq.index].request_id, seq, out.logits[row])
+                for seq in scheduler.finish_step(batch):
+                    pending[seq.media_key] -= 1
+                    if pending[seq.media_key] == 0:
+                        features.pop(seq.media_key, None)  # the clip is done: drop its vision features
+        finally:
+            scheduler.abort_all()
+        return results  # type: ignore[return-value]
+
+
+def _result(request_id: str, seq: Sequence, logits: np.ndarray) -> ClassifyResult:
+    option_logits = logits[seq.option_token_ids].astype(np.float64)
+    shifted = option_logits - option_logits.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    probs = np.exp(logprobs)
+    return ClassifyResult(
+        request_id=request_id, choice=int(np.argmax(option_logits)), probs=probs.tolist(),
+        prompt_tokens=seq.num_tokens, cached_tokens=seq.num_cached, logprobs=logprobs.tolist())

@@ -1,0 +1,145 @@
+"""Which tokens go into the next forward pass (host-side bookkeeping only, no MLX).
+
+nano-vllm's shape: a waiting queue, a running list, a token budget per step, chunked prefill. Prefill-only
+makes it simpler: a sequence leaves as soon as its last prompt token is computed.
+
+Per-clip sharing: the first request of a clip (its *leader*) computes the shared prefix (system prompt +
+video); the clip's other requests stay waiting until the leader has computed past the end of the video, so
+that when they are admitted `BlockPool.allocate` finds the committed prefix blocks and they compute only
+their own question. Requests of other clips are not held back meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchjob.metal_backend import BlockPool, PoolExhaustedError, SeqSlice
+
+
+@dataclass
+class Sequence:
+    """One request in flight: its prompt, its M-RoPE positions, and how far its prefill has got."""
+
+    index: int  # position in the caller's request list
+    seq_id: str
+    media_key: str  # identity of the video content (media_id, or unique per request when sharing is off)
+    token_ids: np.ndarray  # int64 [L]
+    positions: np.ndarray  # int64 [3, L]
+    video_span: tuple[int, int]  # [start, end) of the video placeholder tokens
+    option_token_ids: list[int]
+    share_prefix: bool = True  # False: hash the whole prompt with the (unique) media key, so nothing is shared
+    grid_thw: tuple[int, int, int] = (0, 0, 0)
+    num_computed: int = 0
+    num_cached: int = 0
+    block_table: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def prefix_done(self) -> bool:
+        return self.num_computed >= self.video_span[1]
+
+
+@dataclass(frozen=True)
+class ScheduledSlice:
+    seq: Sequence
+    num_new: int  # tokens [seq.num_computed, seq.num_computed + num_new) are computed in this step
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+    def attention_slice(self) -> SeqSlice:
+        return SeqSlice(self.seq.block_table, self.seq.num_computed, self.num_new)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_batched_tokens: int):
+        self.pool = pool
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._leaders: dict[str, Sequence] = {}  # media_key -> sequence computing that clip's prefix
+        self._prefix_ready: set[str] = set()  # media keys whose prefix blocks some sequence has committed
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocked(self, seq: Sequence) -> bool:
+        leader = self._leaders.get(seq.media_key)
+        return leader is not None and leader is not seq and not leader.prefix_done
+
+    def schedule(self) -> list[ScheduledSlice]:
+        """Running sequences continue first (oldest first), then waiting ones are admitted in order."""
+        budget = self.budget
+        batch: list[ScheduledSlice] = []
+        for seq in self.running:
+            if budget == 0:
+                break
+            take = min(seq.remaining, budget)
+            batch.append(ScheduledSlice(seq, take))
+            budget -= take
+        skipped: deque[Sequence] = deque()
+        while self.waiting and budget > 0:
+            seq = self.waiting.popleft()
+            if self._blocked(seq):
+                skipped.append(seq)
+                continue
+            span = seq.video_span if seq.share_prefix else (0, seq.num_tokens)
+            media = [(span[0], span[1], seq.media_key)]
+            try:
+                alloc = self.pool.allocate(seq.seq_id, seq.token_ids.tolist(), media)
+            except PoolExhaustedError:
+                if not self.running and not batch:
+                    raise  # nothing will ever free blocks: the pool cannot hold this request at all
+                skipped.append(seq)
+                break
+            seq.block_table, seq.num_cached = alloc.block_table, alloc.num_cached_tokens
+            seq.num_computed = alloc.num_cached_tokens
+            self.running.append(seq)
+            if seq.media_key not in self._prefix_ready and seq.media_key not in self._leaders:
+                self._leaders[seq.media_key] = seq
+            take = min(seq.remaining, budget)
+            batch.append(ScheduledSlice(seq, take))
+            budget -= take
+        self.waiting.extendleft(reversed(skipped))
+        return batch
+
+    def finish_step(self, batch: list[ScheduledSlice]) -> list[Sequence]:
+        """Advance the scheduled sequences, commit their KV blocks, free and return the finished ones."""
+        finished = []
+        for item in batch:
+            seq = item.seq
+            seq.num_computed += item.num_new
+            self.pool.mark_computed(seq.seq_id, seq.num_computed)
+            if seq.remaining == 0:
+                finished.append(seq)
+        for seq in finished:
+            self.running.remove(seq)
+            self.pool.free(seq.seq_id)
+        for key, leader in list(self._leaders.items()):
+            if leader.prefix_done:
+                del self._leaders[key]
+                self._prefix_ready.add(key)
+        return finished
+
+    def abort_all(self) -> None:
+        """Free every allocated sequence (after an exception) so the pool stays consistent for the next call."""
+        for seq in self.running:
+            self.pool.free(seq.seq_id)
+        self.running.clear()
+        self.waiting.clear()
+        self._leaders.clear()
+        self._prefix_ready.clear()

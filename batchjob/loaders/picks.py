@@ -1,0 +1,88 @@
+"""Which frames to return: pure functions over indices, testable without any video.
+
+Two placements exist. Keyframe picks spread the budget evenly over the clip's keyframe list, repeating
+keyframes (balanced) when there are fewer keyframes than frames asked for. Uniform targets spread the
+budget over all frames the way vLLM's default loader does (`linspace(..., dtype=int)`, i.e. truncation),
+so A/B comparisons against that loader line up frame for frame.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+import numpy as np
+
+
+def keyframe_picks(num_keyframes: int, num_frames: int) -> list[int]:
+    """Positions in the keyframe list: `round(linspace(0, n_kf - 1, num_frames))`.
+
+    numpy rounds halves to even; with 2 keyframes and 16 frames that still splits 8/8, and every budget
+    gives each keyframe a share that differs from the others by at most one.
+    """
+    if num_keyframes <= 0 or num_frames <= 0:
+        raise ValueError(f"need keyframes and frames, got {num_keyframes} keyframes, {num_frames} frames")
+    return [int(p) for p in np.round(np.linspace(0, num_keyframes - 1, num_frames))]
+
+
+def uniform_targets(total_frames: int, num_frames: int) -> list[int]:
+    """Frame indices vLLM's OpenCV loader picks: `linspace(0, total - 1, num_frames, dtype=int)`."""
+    if total_frames <= 0 or num_frames <= 0:
+        raise ValueError(f"need frames, got total {total_frames}, asked {num_frames}")
+    if num_frames >= total_frames:
+        return list(range(total_frames))  # lossless loaders never invent frames (vLLM does the same)
+    return [int(i) for i in np.linspace(0, total_frames - 1, num_frames, dtype=int)]
+
+
+def gop_of(keyframe_indices: list[int], target: int) -> int:
+    """Position of the keyframe a decode must start from to reach `target` (the last one at or before it)."""
+    return max(0, bisect_right(keyframe_indices, target) - 1)
+
+
+def snap_to_keyframes(targets: list[int], keyframe_indices: list[int], total_frames: int) -> list[int]:
+    """Move each target onto a keyframe lying less than half a spacing (rounded down) away from it.
+
+    Such a keyframe is closer to the target's uniform position than any neighbouring target is, so the
+    sample stays uniform to within half a step, yet costs one picture instead of a forward run. A clip
+    with keyframes every 2 s asked for 16 frames over 30 s then decodes mostly keyframes; a clip with
+    one keyframe is unaffected past frame 0.
+    """
+    if len(targets) < 2:
+        return list(targets)
+    reach = ((total_frames - 1) // (len(targets) - 1)) / 2
+    snapped = []
+    for t in targets:
+        i = bisect_right(keyframe_indices, t)
+        near = [k for k in keyframe_indices[max(0, i - 1):i + 1] if abs(k - t) < reach]
+        snapped.append(min(near, key=lambda k: (abs(k - t), k)) if near else t)
+    return snapped
+
+
+def fill_targets(keyframe_indices: list[int], total_frames: int, num_frames: int,
+                 max_decoded_frames: int) -> list[int]:
+    """Uniform targets, pulled back toward their keyframes when reaching them all costs too much.
+
+    Reaching target t costs decoding every frame from its keyframe up to t; targets sharing a keyframe
+    share one forward run, so the cost of a plan is the sum over runs of (furthest offset + 1). When that
+    exceeds `max_decoded_frames`, every offset is scaled by the same factor, which keeps the frames in
+    order and spread within each run, and the plan then fits the budget. A target before the first
+    keyframe (an undecodable lead-in) moves to that keyframe. Targets next to a keyframe snap to it first
+    (`snap_to_keyframes`).
+    """
+    if not keyframe_indices:
+        raise ValueError("a clip without keyframes cannot be decoded")
+    uniform = [max(t, keyframe_indices[0]) for t in uniform_targets(total_frames, num_frames)]
+    targets = snap_to_keyframes(uniform, keyframe_indices, total_frames)
+    runs: dict[int, int] = {}
+    for t in targets:
+        kf = keyframe_indices[gop_of(keyframe_indices, t)]
+        runs[kf] = max(runs.get(kf, 0), t - kf)
+    cost = sum(offset + 1 for offset in runs.values())
+    if cost <= max_decoded_frames:
+        return targets
+    spare = max(0, max_decoded_frames - len(runs))
+    scale = spare / max(1, sum(runs.values()))
+    pulled = []
+    for t in targets:
+        kf = keyframe_indices[gop_of(keyframe_indices, t)]
+        pulled.append(kf + int((t - kf) * scale))
+    return pulled

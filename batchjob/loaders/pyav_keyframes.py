@@ -1,0 +1,49 @@
+"""`pyav_keyframes`: decode only keyframes, spread evenly over the clip's keyframe list.
+
+A keyframe decodes on its own, so a 16-frame sample of a 10-minute clip costs 16 picture decodes plus
+finding the keyframes, which the MP4 sample table answers without reading the file (see keyframes.py).
+Importing this module registers the loader with batchjob's registry and, when vLLM is installed, with
+vLLM's, so `media_io_kwargs={"video": {"video_backend": "pyav_keyframes"}}` works in a user's vLLM code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from batchjob.loaders.keyframes import list_keyframes
+from batchjob.loaders.media import ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, stack_frames
+from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY
+from batchjob.loaders.sampling import check_num_frames, keyframe_frames, require_keyframes
+from batchjob.loaders.vllm_bridge import register_with_vllm
+
+NAME = "pyav_keyframes"
+
+
+def load_keyframes(source: Source, num_frames: int = 16, *, use_index: bool = True,
+                   **_ignored) -> tuple[np.ndarray, dict]:
+    """Frames `[num_frames, H, W, 3]` and vLLM-style metadata; `use_index=False` forces the demux sweep."""
+    label = describe(source)
+    num_frames = check_num_frames(num_frames, label)
+    with ffmpeg_errors(label), open_video(source, label) as (container, stream):
+        listing = list_keyframes(container, stream, label, allow_index=use_index)
+        require_keyframes(listing, label)
+        frames, indices = keyframe_frames(container, stream, listing, num_frames, label)
+        facts = ClipFacts(listing.total_num_frames, nominal_fps(stream))
+        return stack_frames(frames, label), facts.metadata(NAME, indices, keyframe_source=listing.source,
+                                                            num_keyframes=len(listing.keyframes))
+
+
+@VIDEO_LOADER_REGISTRY.register(NAME)
+class PyAVKeyframeLoader:
+    @classmethod
+    def load_bytes(cls, data: bytes, *, num_frames: int = 16, **kwargs) -> tuple[np.ndarray, dict]:
+        return load_keyframes(data, num_frames, **kwargs)
+
+    @classmethod
+    def load_path(cls, path: str | os.PathLike, *, num_frames: int = 16, **kwargs) -> tuple[np.ndarray, dict]:
+        return load_keyframes(os.fspath(path), num_frames, **kwargs)
+
+
+register_with_vllm(NAME, PyAVKeyframeLoader)

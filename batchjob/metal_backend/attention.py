@@ -1,0 +1,139 @@
+"""Portable paged varlen attention, written with MLX ops: runs on CPU, CUDA and Metal, and is the oracle
+the Metal kernels are checked against.
+
+Each sequence gathers only its own blocks and attends with its own causal offset, so the cost of a batch
+is the sum over sequences of `q_len * context_len`, never `batch x longest` as with a padded cache.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .metadata import AttentionMetadata
+
+
+def check_attention_inputs(q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata) -> None:
+    """Shape checks shared by every backend (pure host-side work on shapes, no sync)."""
+    if q.ndim != 3 or q.shape[0] != meta.num_tokens:
+        raise ValueError(f"paged_attention: q must be [num_tokens={meta.num_tokens}, Hq, D], got {q.shape}")
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
+        raise ValueError(
+            f"paged_attention: K and V caches must both be [num_blocks, block_size, Hkv, D], "
+            f"got {k_cache.shape} and {v_cache.shape}"
+        )
+    _, bs, hkv, d = k_cache.shape
+    if q.shape[2] != d or q.shape[1] % hkv:
+        raise ValueError(
+            f"paged_attention: q {q.shape} does not fit the cache {k_cache.shape}: head_dim must match and the "
+            f"number of query heads must be a multiple of the number of KV heads"
+        )
+    if bs != meta.block_size:
+        raise ValueError(f"paged_attention: metadata built for block_size {meta.block_size}, cache has {bs}")
+
+
+def gather_context(cache: mx.array, block_row, context_len: int) -> mx.array:
+    """Contiguous `[context_len, Hkv, D]` view of one sequence's KV, gathered through its block table."""
+    _, bs, hkv, d = cache.shape
+    num_blocks = -(-context_len // bs)
+    blocks = mx.array(block_row[:num_blocks])
+    return cache[blocks].reshape(num_blocks * bs, hkv, d)[:context_len]
+
+
+def decode_groups(context_lens: Sequence[int], slack: float = 1.25) -> list[list[int]]:
+    """Group one-token sequences (given by index) into batches whose padded cost stays within `slack`.
+
+    Why: a one-token query is too small an op to run alone; batching many of them pads each to the group's
+    longest context, so groups are formed over sorted lengths and closed before padding exceeds `slack` times
+    the real work. Cost thus still scales with the sum of context lengths.
+    """
+    order = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * context_lens[groups[-1][0]] <= slack * (total + context_lens[i]):
+            groups[-1].append(i)
+            total += context_lens[i]
+        else:
+            groups.append([i])
+            total = context_lens[i]
+    return groups
+
+
+def _attend_one(q, k_cache, v_cache, meta, s: int, scale: float, query_chunk: int) -> mx.array:
+    """One sequence; long queries in chunks of rows, each against only the keys its last row can see.
+
+    Why chunk: SDPA over a whole causal prompt computes every masked score too. Chunk [a, b) needs keys
+    [0, offset + b) only, which halves the work of a long fresh prefill and bounds the score matrix to
+    `query_chunk x context` per head. MLX's lower-right "causal" alignment gives each chunk its exact offset.
+    """
+    start, end, ctx = int(meta.cu_seqlens_q_host[s]), int(meta.cu_seqlens_q_host[s + 1]), int(meta.context_lens_host[s])
+    row = meta.block_tables_host[s]
+    k = gather_context(k_cache, row, ctx).astype(q.dtype).transpose(1, 0, 2)[None]
+    v = gather_context(v_cache, row, ctx).astype(q.dtype).transpose(1, 0, 2)[None]
+    offset = ctx - (end - start)
+    outs = []
+    for a in range(start, end, query_chunk):
+        b = min(a + query_chunk, end)
+        visible = offset + (b - start)
+        q_c = q[a:b].transpose(1, 0, 2)[None]
+        mask = "causal" if b - a > 1 else None
+        o = mx.fast.scaled_dot_product_attention(q_c, k[:, :, :visible], v[:, :, :visible], scale=scale, mask=mask)
+        outs.append(o[0].transpose(1, 0, 2))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+
+
+def _attend_decode_group(q, k_cache, v_cache, meta, seqs: list[int], scale: float) -> mx.array:
+    """One SDPA for several one-token sequences, keys padded to the group's longest context and masked."""
+    _, bs, hkv, d = k_cache.shape
+    ctx = meta.context_lens_host[seqs]
+    num_blocks = -(-int(ctx.max()) // bs)
+    tables = mx.array(meta.block_tables_host[seqs, :num_blocks])  # [n, num_blocks]
+    n = len(seqs)
+    k = k_cache[tables].reshape(n, num_blocks * bs, hkv, d).transpose(0, 2, 1, 3).astype(q.dtype)
+    v = v_cache[tables].reshape(n, num_blocks * bs, hkv, d).transpose(0, 2, 1, 3).astype(q.dtype)
+    q_g = q[mx.array(meta.cu_seqlens_q_host[seqs])][:, :, None, :]  # [n, Hq, 1, D]
+    mask = mx.array(np.arange(num_blocks * bs)[None, :] < ctx[:, None])[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(q_g, k, v, scale=scale, mask=mask)[:, :, 0, :]
+
+
+def paged_attention(
+    q: mx.array,
+    k_cache: mx.array,
+    v_cache: mx.array,
+    meta: AttentionMetadata,
+    scale: float,
+    query_chunk: int = 512,
+) -> mx.array:
+    """Attention of the packed new tokens `q [T, Hq, D]` over each sequence's cached + new KV -> `[T, Hq, D]`.
+
+    Query token j of sequence s sees KV positions `< context_lens[s] - q_len[s] + j + 1`: MLX's "causal"
+    mask is aligned lower-right, which is exactly that offset. GQA is native to `scaled_dot_product_attention`
+    (K/V are not tiled), and its softmax runs in fp32 whatever the input dtype. Sequences with several new
+    tokens run one by one (long ones in `query_chunk`-row chunks); one-token sequences run in length-sorted
+    groups. Python-level looping uses the
+    host copies in `meta`, so this stays lazy.
+    """
+    check_attention_inputs(q, k_cache, v_cache, meta)
+    if query_chunk < 1:
+        raise ValueError(f"paged_attention: query_chunk must be >= 1, got {query_chunk}")
+    q_lens = meta.query_lens_host
+    singles = np.flatnonzero(q_lens == 1)
+    if len(singles) < 2:  # nothing to group: every sequence alone, already in token order
+        outs = [_attend_one(q, k_cache, v_cache, meta, s, scale, query_chunk) for s in range(meta.num_seqs)]
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    pieces, token_order = [], []
+    for s in np.flatnonzero(q_lens > 1):
+        pieces.append(_attend_one(q, k_cache, v_cache, meta, int(s), scale, query_chunk))
+        token_order.append(np.arange(meta.cu_seqlens_q_host[s], meta.cu_seqlens_q_host[s + 1]))
+    for group in decode_groups(meta.context_lens_host[singles].tolist()):
+        seqs = singles[group]
+        pieces.append(_attend_decode_group(q, k_cache, v_cache, meta, seqs, scale))
+        token_order.append(meta.cu_seqlens_q_host[seqs])
+    out = mx.concatenate(pieces, axis=0)
+    order = np.concatenate(token_order)
+    if np.array_equal(order, np.arange(len(order))):
+        return out
+    return out[mx.array(np.argsort(order).astype(np.int32))]

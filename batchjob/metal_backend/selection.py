@@ -1,0 +1,112 @@
+"""Choosing the attention implementation at engine start: Metal kernels only when they prove themselves.
+
+A custom kernel that is wrong gives plausible-looking but wrong answers, which is worse than a slow job. So
+the kernels are used only on a Metal device, and only after they reproduce the portable path on probe
+batches (a decode batch for the per-token kernel and a mixed prefill batch with prefix hits for the tiled
+one). Any exception, non-finite value or mismatch is logged with the reason and the portable path is used.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .attention import paged_attention
+from .probe import make_ragged_batch
+
+log = logging.getLogger(__name__)
+
+AttentionFn = Callable[..., mx.array]  # (q, k_cache, v_cache, meta, scale) -> out
+PROBE_TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 6e-2}  # max abs diff vs portable
+
+
+@dataclass
+class AttentionBackend:
+    """The chosen implementation, with why it was chosen (shown in logs and the job summary)."""
+
+    name: str  # "metal" | "portable"
+    reason: str
+    fn: AttentionFn
+
+    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta, scale: float) -> mx.array:
+        return self.fn(q, k_cache, v_cache, meta, scale)
+
+
+def metal_is_available() -> bool:
+    try:
+        return bool(mx.metal.is_available())
+    except Exception:  # an MLX build without the metal module
+        return False
+
+
+def _load_metal_kernel() -> AttentionFn:
+    from .kernels import metal_paged_attention
+
+    return metal_paged_attention
+
+
+def probe_batches(dtype: mx.Dtype):
+    """Two small ragged batches over shuffled blocks with GQA: decode-like, and prefill with prefix hits."""
+    rng = np.random.default_rng(20251122)  # fixed: the probe must be reproducible from a log line
+    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16, dtype=dtype)
+    decode = make_ragged_batch(rng, [1, 1, 1, 1], [0, 15, 16, 70], **shape)
+    prefill = make_ragged_batch(rng, [1, 16, 37, 5, 64], [31, 0, 32, 3, 16], **shape)
+    return {"decode": decode, "prefill": prefill}
+
+
+def probe_kernel(kernel: AttentionFn, dtype: mx.Dtype = mx.float16) -> str | None:
+    """None when `kernel` matches the portable path on every probe batch, else the reason it does not."""
+    tol = PROBE_TOLERANCE.get(dtype, 1e-2)
+    for label, b in probe_batches(dtype).items():
+        scale = b.q.shape[-1] ** -0.5
+        try:
+            got = kernel(b.q, b.k_cache, b.v_cache, b.meta, scale)
+            mx.eval(got)
+        except Exception as exc:  # whatever the kernel raises, the job must still run
+            return f"kernel raised on the {label} probe: {type(exc).__name__}: {exc}"
+        if got.shape != b.q.shape or got.dtype != b.q.dtype:
+            return f"kernel returned {got.shape} {got.dtype} on the {label} probe, expected {b.q.shape} {b.q.dtype}"
+        want = paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale)
+        diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32))
+        if not mx.all(mx.isfinite(got.astype(mx.float32))).item():
+            return f"kernel returned non-finite values on the {label} probe"
+        err = diff.max().item()
+        if err > tol:
+            return f"kernel differs from the portable path on the {label} probe: max abs diff {err:.3g} > {tol:g}"
+    return None
+
+
+def select_attention_backend(
+    probe: bool = True,
+    *,
+    dtype: mx.Dtype = mx.float16,
+    metal_available: Callable[[], bool] = metal_is_available,
+    load_kernel: Callable[[], AttentionFn] = _load_metal_kernel,
+) -> AttentionBackend:
+    """Metal kernels when on a Metal device and (unless probe=False) they match the portable path.
+
+    `metal_available` and `load_kernel` are injectable so the selection and fallback logic can be tested
+    on machines without Metal.
+    """
+    portable = paged_attention
+    if not metal_available():
+        return AttentionBackend("portable", "no Metal device: using the portable MLX path", portable)
+    try:
+        kernel = load_kernel()
+    except Exception as exc:
+        reason = f"Metal kernels failed to build: {type(exc).__name__}: {exc}; using the portable MLX path"
+        log.warning(reason)
+        return AttentionBackend("portable", reason, portable)
+    if not probe:
+        return AttentionBackend("metal", "Metal device; kernel probe skipped by request", kernel)
+    problem = probe_kernel(kernel, dtype)
+    if problem is not None:
+        reason = f"{problem}; using the portable MLX path"
+        log.warning(reason)
+        return AttentionBackend("portable", reason, portable)
+    log.info("Metal attention kernels match the portable path on the probe batches; using them")
+    return AttentionBackend("metal", f"Metal kernels matched the portable path on the probe ({dtype})", kernel)

@@ -1,0 +1,191 @@
+"""The streaming driver: keeps a bounded number of clips in flight and writes answers as they arrive.
+
+Each decoder gets one clip at a time (so a decode timeout is measured from when it really started),
+decoded clips wait in a queue bounded by `frames_in_flight`, and each engine keeps up to two batches
+queued so it never idles while the driver assembles the next one. Frames move decoder -> engine as
+ObjectRefs; the driver only sees small status dicts and answers.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from batchjob.config import JobConfig
+from batchjob.datasets import Row
+from batchjob.pipeline.work import Answer, ClipWork, result_row
+
+ENGINE_QUEUE = 2          # batches queued per engine actor
+DECODE_ATTEMPTS = 2       # a clip whose decoder process died is retried once, on a restarted decoder
+
+
+@dataclass
+class RunStats:
+    total_rows: int = 0          # rows in the dataset (after limit)
+    skipped_rows: int = 0        # already in the output (resume)
+    done_rows: int = 0           # written by this run
+    error_rows: int = 0
+    wall_s: float = 0.0          # whole run: Ray start-up and model load included
+    stream_s: float = 0.0        # the streaming phase only (first decode submitted to last row written)
+    decode_busy_s: float = 0.0   # summed over decoders
+    engine_busy_s: float = 0.0   # summed over engines
+    decoders: int = 0
+    engines: int = 0
+    model: str = ""
+    decode_nodes: set[str] = field(default_factory=set)
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.done_rows / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """Wall time over the busiest stage's busy time (per worker); 1.0 means the other stage was fully hidden."""
+        busiest = max(self.decode_busy_s / max(self.decoders, 1), self.engine_busy_s / max(self.engines, 1))
+        return self.stream_s / busiest if busiest > 0 else float("nan")
+
+
+class Driver:
+    def __init__(self, cfg: JobConfig, decoders: list, engines: list, model_id: str,
+                 write: Callable[[list[dict[str, Any]]], None], stats: RunStats,
+                 on_progress: Callable[[RunStats], None] | None = None, run_started_at: datetime | None = None):
+        self.cfg, self.decoders, self.engines, self.model_id = cfg, decoders, engines, model_id
+        self.write, self.stats, self.on_progress = write, stats, on_progress
+        self.run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        # The run's start, for throughput in reports: the caller passes when the job began (Ray start-up
+        # and model load included), so `batchjob report` shows what a user waits for.
+        self.run_started_at = run_started_at or datetime.now(timezone.utc)
+
+    # -- rows ------------------------------------------------------------------------------------
+    def _emit(self, clip: ClipWork, answers: dict[str, Answer], engine_ms: float | None, error: str | None) -> None:
+        now = datetime.now(timezone.utc)
+        rows = [result_row(r, answers.get(r.row_id), labels=self.cfg.prompt.option_labels,
+                           loader=self.cfg.loader.name, num_frames=self.cfg.loader.num_frames, decode=clip.decode,
+                           engine_ms=engine_ms, model=self.model_id, run_id=self.run_id,
+                           run_started_at=self.run_started_at, finished_at=now, error=error)
+                for r in clip.rows]
+        self.stats.done_rows += len(rows)
+        self.stats.error_rows += sum(1 for r in rows if r["error"])
+        self.write(rows)
+
+    # -- main loop -------------------------------------------------------------------------------
+    def run(self, clips: list[ClipWork]) -> None:
+        import ray
+
+        rt = self.cfg.runtime
+        t_start = time.perf_counter()
+        pending: deque[ClipWork] = deque(clips)
+        decoding: dict[Any, tuple[ClipWork, Any, int, float]] = {}   # status ref -> clip, frames ref, decoder, t0
+        busy_decoders: set[int] = set()
+        decoded: deque[tuple[ClipWork, Any]] = deque()               # waiting for an engine
+        engine_jobs: dict[Any, tuple[list[tuple[ClipWork, Any]], int]] = {}
+        engine_load = [0] * len(self.engines)
+
+        def in_flight() -> int:
+            return len(decoding) + len(decoded) + sum(len(b) for b, _ in engine_jobs.values())
+
+        while pending or decoding or decoded or engine_jobs:
+            # 1. decoders: one clip each, bounded by the clips in flight
+            for d in range(len(self.decoders)):
+                if d in busy_decoders or not pending or in_flight() >= rt.frames_in_flight:
+                    continue
+                clip = pending.popleft()
+                clip.attempts += 1
+                status_ref, frames_ref = self.decoders[d].decode.options(num_returns=2).remote(clip.video)
+                decoding[status_ref] = (clip, frames_ref, d, time.monotonic())
+                busy_decoders.add(d)
+            # 2. engines: full batches; a partial one only when the engine would otherwise idle
+            for e in range(len(self.engines)):
+                while decoded and engine_load[e] < ENGINE_QUEUE:
+                    more_coming = bool(pending or decoding)
+                    if len(decoded) < rt.clips_per_batch and more_coming and engine_load[e] > 0:
+                        break
+                    batch = [decoded.popleft() for _ in range(min(rt.clips_per_batch, len(decoded)))]
+                    self._submit(e, batch, engine_jobs, engine_load)
+            # 3. wait for anything, then drain everything that is ready
+            refs = list(decoding) + list(engine_jobs)
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.5)
+            if ready:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in ready:
+                if ref in decoding:
+                    clip, frames_ref, d, _t0 = decoding.pop(ref)
+                    busy_decoders.discard(d)
+                    self._on_decoded(ref, clip, frames_ref, pending, decoded)
+                else:
+                    batch, e = engine_jobs.pop(ref)
+                    engine_load[e] -= 1
+                    self._on_answered(ref, batch, decoded)
+            self._kill_stuck_decoders(decoding)
+            self.stats.stream_s = time.perf_counter() - t_start
+            if self.on_progress:
+                self.on_progress(self.stats)
+
+    def _submit(self, e: int, batch: list[tuple[ClipWork, Any]], jobs: dict, load: list[int]) -> None:
+        specs = [(c.decode.get("metadata", {}), c.media_id, c.questions()) for c, _ in batch]
+        ref = self.engines[e].answer.remote(specs, *[f for _, f in batch])
+        jobs[ref] = (batch, e)
+        load[e] += 1
+
+    def _on_decoded(self, ref: Any, clip: ClipWork, frames_ref: Any, pending: deque, decoded: deque) -> None:
+        import ray
+
+        try:
+            status = ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                ray.exceptions.ActorUnavailableError) as err:
+            if clip.attempts < DECODE_ATTEMPTS:
+                pending.appendleft(clip)   # maybe collateral of another clip's crash, or a timeout kill
+                return
+            why = (f"decode timed out after {self.cfg.runtime.decode_timeout_s:g} s" if clip.decode.get("timed_out")
+                   else f"decoder process died on this clip ({type(err).__name__})")
+            clip.decode = {}
+            self._emit(clip, {}, None, why)
+            return
+        except ray.exceptions.RayError as err:   # e.g. the frames could not be stored: this clip's loss only
+            clip.decode = {}
+            self._emit(clip, {}, None, f"decode failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
+            return
+        clip.decode = status
+        self.stats.decode_busy_s += (status.get("decode_ms") or 0.0) / 1000.0
+        if status.get("node"):
+            self.stats.decode_nodes.add(status["node"])
+        if status["ok"]:
+            decoded.append((clip, frames_ref))
+        else:
+            self._emit(clip, {}, None, status["error"])
+
+    def _on_answered(self, ref: Any, batch: list[tuple[ClipWork, Any]], decoded: deque) -> None:
+        import ray
+
+        try:
+            raw, engine_ms = ray.get(ref)
+        except ray.exceptions.RayError as err:
+            if len(batch) > 1:
+                # Find the culprit: retry each clip alone (the frames are still in the object store).
+                for item in reversed(batch):
+                    decoded.appendleft(item)
+                return
+            clip, _ = batch[0]
+            cause = getattr(err, "cause", None) or err
+            self._emit(clip, {}, None, f"engine failed: {type(cause).__name__}: {str(cause).splitlines()[0][:300]}")
+            return
+        self.stats.engine_busy_s += engine_ms / 1000.0
+        answers = {a[0]: Answer(*a) for a in raw}
+        for clip, _ in batch:
+            self._emit(clip, answers, engine_ms, None)
+
+    def _kill_stuck_decoders(self, decoding: dict) -> None:
+        """A decode past the timeout: kill its decoder (Ray restarts it); the clip is retried, then an error row."""
+        import ray
+
+        limit = self.cfg.runtime.decode_timeout_s
+        now = time.monotonic()
+        for ref, (clip, _f, d, t0) in list(decoding.items()):
+            if now - t0 > limit:
+                clip.attempts = max(clip.attempts, DECODE_ATTEMPTS)   # a clip that hangs once will hang again
+                clip.decode = {"timed_out": True}
+                ray.kill(self.decoders[d], no_restart=False)
+                decoding[ref] = (clip, _f, d, float("inf"))       # kill once; the ref then fails

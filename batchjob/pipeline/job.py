@@ -1,0 +1,119 @@
+"""One job from config to Parquet: preflight checks, resume, Ray start-up, the driver, the final flush."""
+from __future__ import annotations
+
+import os
+import platform
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+from batchjob.config import ConfigError, JobConfig, check_paths
+from batchjob.datasets import Row, load_rows
+from batchjob.pipeline.driver import Driver, RunStats
+from batchjob.pipeline.output import PartWriter, lock_output, prepare_output
+from batchjob.pipeline.work import group_by_clip
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not load (bad checkpoint, memory budget...): exit 1, nothing was written."""
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for dist in ("batchjob", "mlx", "mlx-vlm", "transformers", "av", "ray", "pyarrow", "numpy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def preflight(cfg: JobConfig) -> list[Row]:
+    """Everything that can be checked without starting Ray; ConfigError (exit 2) names the key or file."""
+    from batchjob.loaders import list_loaders
+    from batchjob.pipeline.engines import resolve_engine
+
+    where = cfg.source or "config"
+    if cfg.loader.name not in list_loaders():
+        raise ConfigError(f"{where}: loader.name: unknown loader {cfg.loader.name!r}; "
+                          f"valid: {', '.join(list_loaders())}")
+    try:
+        resolve_engine(cfg.model.engine)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    check_paths(cfg)
+    rows = load_rows(cfg.dataset)
+    widest = max(len(r.options) for r in rows)
+    if widest > len(cfg.prompt.option_labels):
+        raise ConfigError(f"{where}: prompt.option_labels: {len(cfg.prompt.option_labels)} labels, but a question "
+                          f"has {widest} options; add labels")
+    return rows
+
+
+def run_job(cfg: JobConfig, *, restart: bool = False,
+            on_start: Callable[[RunStats], None] | None = None,
+            on_progress: Callable[[RunStats], None] | None = None) -> RunStats:
+    """Run (or resume) the job; rows already in the output are skipped. Returns this run's statistics."""
+    import time
+
+    t0 = time.perf_counter()
+    started_at = datetime.now(timezone.utc)
+    rows = preflight(cfg)
+    manifest = {"job": cfg.job, "config": cfg.model_dump(), "versions": versions()}
+    out_dir = Path(cfg.output.directory)
+    lock_fd = lock_output(out_dir)
+    try:
+        return _run_locked(cfg, rows, manifest, restart, t0, started_at, on_start, on_progress)
+    finally:
+        os.close(lock_fd)
+
+
+def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, t0: float, started_at: datetime,
+                on_start: Callable[[RunStats], None] | None,
+                on_progress: Callable[[RunStats], None] | None) -> RunStats:
+    import time
+
+    import ray
+
+    from batchjob.pipeline.actors import make_decoders, make_engines
+    from batchjob.pipeline.ray_runtime import start_ray, stop_ray
+
+    out_dir, fingerprint = Path(cfg.output.directory), cfg.fingerprint()
+    skip = prepare_output(out_dir, fingerprint, manifest, restart=restart)
+    loader, n, kw = cfg.loader.name, cfg.loader.num_frames, cfg.loader.kwargs
+    clips = group_by_clip(rows, skip, loader, n, kw)
+    rt = cfg.runtime
+    stats = RunStats(total_rows=len(rows), skipped_rows=sum(r.row_id in skip for r in rows),
+                     decoders=rt.decode_actors, engines=rt.engine_actors)
+    if on_start:
+        on_start(stats)
+    if not clips:
+        return stats
+    started = start_ray(rt.ray_address, rt.decode_actors * rt.decode_cpus + rt.engine_actors * rt.engine_cpus)
+    writer = PartWriter(out_dir, {**manifest, "fingerprint": fingerprint}, cfg.output.rows_per_part,
+                        cfg.output.flush_seconds)
+    try:
+        engines = make_engines(rt.engine_actors, rt.engine_cpus, cfg.model, cfg.prompt)
+        decoders = make_decoders(rt.decode_actors, rt.decode_cpus, loader, n, kw)
+        try:
+            model_ids = ray.get([e.ready.remote() for e in engines])
+        except ray.exceptions.RayError as err:
+            cause = getattr(err, "cause", None) or err
+            raise EngineStartError(f"engine {cfg.model.engine!r} could not load {cfg.model.checkpoint}: "
+                                   f"{type(cause).__name__}: {cause}") from None
+        stats.model = model_ids[0]
+
+        def progress(s: RunStats) -> None:
+            writer.maybe_flush()
+            s.wall_s = time.perf_counter() - t0
+            if on_progress:
+                on_progress(s)
+
+        Driver(cfg, decoders, engines, stats.model, writer.add, stats, progress, started_at).run(clips)
+    finally:
+        writer.flush()   # finished rows are complete rows: keep them even when the run fails
+        stats.wall_s = time.perf_counter() - t0
+        if started:
+            stop_ray()
+    return stats

@@ -1,0 +1,204 @@
+"""Random-weight Qwen2.5-VL / Qwen2-VL checkpoints in Hugging Face format, built locally.
+
+No weights can be downloaded in development or CI, so tests, the benchmark and `batchjob demo` build
+their checkpoints here. The directory looks like a hub checkpoint on purpose: the *flat* config layout
+(text settings at top level, `rope_scaling: {type: mrope, mrope_section}`), hub-style weight names
+(`model.layers.*`, `visual.*`, `lm_head.weight`), a tokenizer with the model's special tokens and chat
+template, and processor configs. That layout is what both mlx-vlm 0.7.10 and transformers 5 load
+identically (a nested transformers-5 `save_pretrained` config is not readable by mlx-vlm).
+
+The tokenizer is byte-level BPE with no merges: every byte is one token, so option letters are single
+tokens and any text round-trips, at the cost of longer prompts (fine for a few-MB model).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Special tokens in the order the real Qwen2-VL tokenizer lists them; ids follow the 256 byte tokens.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Functionally the template Qwen2-VL / Qwen2.5-VL checkpoints ship: default system prompt, vision
+# placeholders inline in the user turn, generation prompt "<|im_start|>assistant\n".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+ARCHITECTURES = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+}
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of a random checkpoint. Defaults: a few MB, runs a forward pass in milliseconds."""
+
+    model_type: str = "qwen2_5_vl"  # or "qwen2_vl"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2  # num_heads / num_kv_heads is the GQA ratio
+    head_dim: int | None = None  # None = hidden_size // num_heads (the only layout mlx-vlm supports)
+    intermediate_size: int = 128
+    vision_depth: int = 2
+    vision_hidden: int = 32
+    vision_heads: int = 2
+    tokens_per_second: int = 2
+    seed: int = 0
+    # Larger than the usual 0.02 so option probabilities differ visibly: a parity test on near-uniform
+    # probabilities would compare numbers that barely depend on the model.
+    initializer_range: float = 0.1
+    min_pixels: int = 28 * 28 * 4
+    max_pixels: int = 28 * 28 * 16
+    fullatt_block_indexes: tuple[int, ...] = field(default=(1,))
+
+    def resolved_head_dim(self) -> int:
+        head_dim = self.head_dim or self.hidden_size // self.num_heads
+        if head_dim * self.num_heads != self.hidden_size:
+            raise ValueError(
+                f"head_dim {head_dim} x num_heads {self.num_heads} != hidden_size {self.hidden_size}: "
+                "mlx-vlm's Qwen2-VL attention derives head_dim from hidden_size; pick hidden_size = heads x head_dim"
+            )
+        if head_dim % 4:
+            raise ValueError(f"head_dim {head_dim} must be a multiple of 4 (M-RoPE splits it in three sections)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        return head_dim
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Split head_dim/2 rotary frequencies over (t, h, w) like the real models (128 -> [16, 24, 24])."""
+    half = head_dim // 2
+    spatial = half * 3 // 8
+    return [half - 2 * spatial, spatial, spatial]
+
+
+def build_tokenizer():
+    """Byte-level BPE tokenizer (no merges) with Qwen's special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
+    return tokenizer
+
+
+def checkpoint_config(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size: int) -> dict:
+    """The flat hub-style config.json for `spec`."""
+    if spec.model_type not in ARCHITECTURES:
+        raise ValueError(f"model_type {spec.model_type!r} is not one of {sorted(ARCHITECTURES)}")
+    head_dim = spec.resolved_head_dim()
+    if spec.model_type == "qwen2_5_vl":
+        vision = {
+            "depth": spec.vision_depth, "hidden_size": spec.vision_hidden, "intermediate_size": 2 * spec.vision_hidden,
+            "num_heads": spec.vision_heads, "out_hidden_size": spec.hidden_size, "hidden_act": "silu",
+            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+            "fullatt_block_indexes": list(spec.fullatt_block_indexes), "tokens_per_second": spec.tokens_per_second,
+            "in_chans": 3, "in_channels": 3, "initializer_range": spec.initializer_range,
+        }
+    else:
+        vision = {
+            "depth": spec.vision_depth, "embed_dim": spec.vision_hidden, "hidden_size": spec.hidden_size,
+            "mlp_ratio": 2, "num_heads": spec.vision_heads, "hidden_act": "quick_gelu", "patch_size": 14,
+            "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3, "in_channels": 3,
+            "initializer_range": spec.initializer_range,
+        }
+    return {
+        "architectures": [ARCHITECTURES[spec.model_type]],
+        "model_type": spec.model_type,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": mrope_section(head_dim)},
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "initializer_range": spec.initializer_range,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": 32768,
+        "max_window_layers": spec.num_layers,
+        "bos_token_id": token_ids["<|endoftext|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+        "vision_start_token_id": token_ids["<|vision_start|>"],
+        "vision_end_token_id": token_ids["<|vision_end|>"],
+        "vision_token_id": token_ids["<|vision_pad|>"],
+        "image_token_id": token_ids["<|image_pad|>"],
+        "video_token_id": token_ids["<|video_pad|>"],
+        "vision_config": vision,
+    }
+
+
+def _hub_weight_name(name: str) -> str:
+    """transformers-5 module names -> the names hub checkpoints (and mlx-vlm's sanitize) use."""
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    if name.startswith("model.visual."):
+        return "visual." + name[len("model.visual."):]
+    return name
+
+
+def write_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a seeded random checkpoint for `spec` into `out_dir` and return the directory."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = (len(tokenizer) + 63) // 64 * 64  # padded like real checkpoints: logits exist for unused ids
+    config = checkpoint_config(spec, token_ids, vocab_size)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(out)
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor" if spec.model_type == "qwen2_5_vl" else "Qwen2VLProcessor",
+        "min_pixels": spec.min_pixels, "max_pixels": spec.max_pixels,
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_resize": True, "resample": 3,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": token_ids["<|im_end|>"]}))
+
+    torch.manual_seed(spec.seed)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)
+    state = {_hub_weight_name(k): v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

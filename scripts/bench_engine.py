@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Engine throughput: packed + per-clip sharing vs one-at-a-time vs mlx-vlm's own forward.
+
+Builds a mid-size random Qwen2.5-VL checkpoint (default hidden 512, 8 layers, GQA 4:1), random clips of 16
+frames, and 4 questions per clip, then measures requests/s for
+  (a) the engine: packed forward passes, video encoded once per clip, video-prefix KV blocks shared;
+  (b) the same engine fed one request at a time with prefix sharing off;
+  (c) mlx-vlm's own one-request forward (vision tower + full prompt + LM head on every position), per request.
+All three include preprocessing (resize/normalize/patchify) and prompt building. Medians over --repeats runs
+after a warm-up; each repeat uses fresh media ids so no run profits from an earlier one's cache.
+
+    source scripts/env.sh && python scripts/bench_engine.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import statistics
+import tempfile
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from batchjob.engine import ClassifyRequest, Classifier, Clip, EngineConfig
+from batchjob.engine.preprocess import preprocess_video
+from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
+
+QUESTIONS = ["What is the person doing in the video?", "Which object moves first?",
+             "Where does the action take place?", "What happens right after the door opens?"]
+
+
+def make_requests(rng, num_clips: int, questions: int, frames: int, size: tuple[int, int], tag: str):
+    requests = []
+    for c in range(num_clips):
+        pixels = rng.integers(0, 256, (frames, *size, 3), dtype=np.uint8)
+        metadata = {"fps": 30.0, "frames_indices": list(range(0, 15 * frames, 15)), "video_backend": "synthetic"}
+        clip = Clip(pixels, metadata, media_id=f"{tag}-clip{c}")
+        for q in range(questions):
+            options = tuple(f"option {k} for question {q}" for k in range(4))
+            requests.append(ClassifyRequest(f"{tag}-{c}-{q}", clip, QUESTIONS[q % len(QUESTIONS)], options))
+    return requests
+
+
+def fresh(requests, tag):
+    """The same work under new media ids (nothing cached yet)."""
+    clips = {}
+    out = []
+    for r in requests:
+        clip = clips.setdefault(r.clip.media_id, dataclasses.replace(r.clip, media_id=f"{r.clip.media_id}-{tag}"))
+        out.append(dataclasses.replace(r, clip=clip))
+    return out
+
+
+def run_engine(clf, requests):
+    results = clf.classify(requests)
+    assert all(r.error is None for r in results), [r.error for r in results if r.error]
+    return [r.probs for r in results]
+
+
+def run_one_at_a_time(clf, requests):
+    return [clf.classify([r])[0].probs for r in requests]
+
+
+def run_mlx_vlm(clf, requests):
+    """mlx-vlm's own forward, one request at a time: the published harness shape with max_tokens=1."""
+    model, vision = clf.checkpoint.model, clf.checkpoint.vision
+    out = []
+    for r in requests:
+        inputs = preprocess_video(r.clip.frames, r.clip.metadata, vision)
+        ids = clf.prompts.token_ids(r.question, r.options, inputs.num_tokens)
+        logits = model(mx.array(ids[None]), pixel_values=mx.array(inputs.pixel_values),
+                       video_grid_thw=mx.array([inputs.grid_thw])).logits
+        option = logits[0, -1, clf.prompts.option_token_ids(len(r.options))].astype(mx.float32)
+        out.append(np.array(mx.softmax(option)).tolist())
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--clips", type=int, default=8)
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--frames", type=int, default=16)
+    parser.add_argument("--size", type=int, nargs=2, default=(224, 224), metavar=("H", "W"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    spec = TinyModelSpec(model_type="qwen2_5_vl", hidden_size=args.hidden, num_layers=args.layers,
+                         num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256),
+                         intermediate_size=args.hidden * 11 // 4, vision_depth=4, vision_hidden=256, vision_heads=4,
+                         fullatt_block_indexes=(3,), max_pixels=args.size[0] * args.size[1], seed=args.seed)
+    rng = np.random.default_rng(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_tiny_checkpoint(tmp, spec)
+        config = EngineConfig(max_model_len=8192, memory_budget_gb=4.0)
+        packed = Classifier.from_pretrained(path, config)
+        single = Classifier.from_pretrained(path, dataclasses.replace(config, enable_prefix_sharing=False))
+    requests = make_requests(rng, args.clips, args.questions, args.frames, tuple(args.size), "bench")
+    modes = {
+        "(a) engine: packed + per-clip sharing": (run_engine, packed),
+        "(b) engine: one at a time, no sharing": (run_one_at_a_time, single),
+        "(c) mlx-vlm forward, one at a time": (run_mlx_vlm, single),
+    }
+    warm = requests[: args.questions]
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    answers = {}
+    for name, (fn, clf) in modes.items():
+        fn(clf, fresh(warm, f"warm-{name[:3]}"))
+    for rep in range(args.repeats):
+        for name, (fn, clf) in modes.items():  # interleaved so drift on a shared machine hits all modes alike
+            batch = fresh(requests, f"{rep}-{name[:3]}")
+            start = time.perf_counter()
+            answers[name] = fn(clf, batch)
+            times[name].append(time.perf_counter() - start)
+
+    names = list(modes)
+    agree = max(float(np.max(np.abs(np.array(a) - np.array(b))))
+                for a, b in zip(answers[names[0]], answers[names[2]]))
+    n = len(requests)
+    baseline = n / statistics.median(times[names[2]])
+    print(f"machine: {platform.machine()} {platform.system()}, {mx.default_device()}, "
+          f"model hidden {args.hidden} x {args.layers} layers, {args.clips} clips x {args.questions} questions, "
+          f"{args.frames} frames {args.size[0]}x{args.size[1]}, prompt {packed.classify(requests[:1])[0].prompt_tokens} tokens")
+    print(f"| mode | median s | requests/s | vs (c) |\n|---|---|---|---|")
+    for name in names:
+        med = statistics.median(times[name])
+        print(f"| {name} | {med:.3f} | {n / med:.2f} | {n / med / baseline:.2f}x |")
+    print(f"max |prob difference| (a) vs (c): {agree:.2e}; vision runs (a): {packed.vision_calls}")
+
+
+if __name__ == "__main__":
+    main()

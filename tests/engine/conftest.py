@@ -1,0 +1,112 @@
+"""Shared fixtures for the engine tests: tiny random checkpoints, random clips, a transformers reference."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from batchjob.engine import ClassifyRequest, Clip, EngineConfig
+from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
+
+# Two architectures x two shapes: GQA (4 query heads on 2 KV heads) and plain multi-head attention with a
+# different head_dim and depth. Each is a few hundred KB and builds in about a second.
+SPECS = {
+    "qwen2_5_vl-gqa": TinyModelSpec(model_type="qwen2_5_vl", hidden_size=64, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, intermediate_size=128, seed=1),
+    "qwen2_5_vl-mha": TinyModelSpec(model_type="qwen2_5_vl", hidden_size=96, num_layers=3, num_heads=3,
+                                    num_kv_heads=3, intermediate_size=160, vision_depth=3, vision_hidden=48,
+                                    vision_heads=3, fullatt_block_indexes=(2,), seed=2),
+    "qwen2_vl-gqa": TinyModelSpec(model_type="qwen2_vl", hidden_size=64, num_layers=2, num_heads=4,
+                                  num_kv_heads=2, intermediate_size=128, seed=3),
+    "qwen2_vl-mha": TinyModelSpec(model_type="qwen2_vl", hidden_size=96, num_layers=3, num_heads=3,
+                                  num_kv_heads=3, intermediate_size=160, vision_depth=3, vision_hidden=48,
+                                  vision_heads=3, seed=4),
+}
+PARITY_MAX_PIXELS = 28 * 28 * 48
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """Build (once per session) the tiny checkpoint for a SPECS key."""
+    cache: dict[str, str] = {}
+
+    def build(name: str) -> str:
+        if name not in cache:
+            cache[name] = str(write_tiny_checkpoint(tmp_path_factory.mktemp(name), SPECS[name]))
+        return cache[name]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier(checkpoint_dir):
+    """One loaded Classifier per (checkpoint, frozen settings), shared across tests that do not mutate it."""
+    from batchjob.engine import Classifier
+
+    cache: dict = {}
+
+    def get(name: str = "qwen2_5_vl-gqa", **settings):
+        key = (name, tuple(sorted(settings.items())))
+        if key not in cache:
+            config = EngineConfig(**{"max_model_len": 2048, "memory_budget_gb": 1.0, **settings})
+            cache[key] = Classifier.from_pretrained(checkpoint_dir(name), config)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test; the seed is printed so a failure can be replayed (ENGINE_TEST_SEED=...)."""
+    seed = int(os.environ.get("ENGINE_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"{request.node.name}: ENGINE_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
+
+
+def _random_clip(rng, media_id: str, *, num_frames: int | None = None, size=None) -> Clip:
+    """Random frames plus loader-like metadata with uneven (keyframe-like) source indices."""
+    num_frames = num_frames or int(rng.integers(2, 7))
+    height, width = size or (int(rng.integers(90, 170)), int(rng.integers(170, 230)))
+    frames = rng.integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
+    fps = float(rng.choice([24.0, 25.0, 30.0]))
+    steps = rng.integers(4, 20, num_frames - 1) if num_frames > 1 else []
+    indices = np.concatenate([[int(rng.integers(0, 10))], np.cumsum(steps) + 0]).astype(int)
+    if num_frames > 1:
+        indices[1:] += indices[0]
+    metadata = {"fps": fps, "frames_indices": indices.tolist(), "total_num_frames": int(indices[-1]) + 5,
+                "duration": (int(indices[-1]) + 5) / fps, "video_backend": "synthetic"}
+    return Clip(frames=frames, metadata=metadata, media_id=media_id)
+
+
+WORDS = "what does the person do next why is red ball moving left right cat dog table before after".split()
+
+
+def _random_request(rng, request_id: str, clip: Clip, num_options: int | None = None) -> ClassifyRequest:
+    question = " ".join(rng.choice(WORDS, int(rng.integers(2, 14)))).capitalize() + "?"
+    num_options = num_options or int(rng.integers(2, 6))
+    options = tuple(" ".join(rng.choice(WORDS, int(rng.integers(1, 5)))) for _ in range(num_options))
+    return ClassifyRequest(request_id=request_id, clip=clip, question=question, options=options)
+
+
+@pytest.fixture(scope="session")
+def specs() -> dict[str, TinyModelSpec]:
+    return SPECS
+
+
+@pytest.fixture(scope="session")
+def parity_max_pixels() -> int:
+    return PARITY_MAX_PIXELS
+
+
+@pytest.fixture(scope="session")
+def make_clip():
+    """`make_clip(rng, media_id, num_frames=None, size=None) -> Clip` with random frames and metadata."""
+    return _random_clip
+
+
+@pytest.fixture(scope="session")
+def make_request():
+    """`make_request(rng, request_id, clip, num_options=None) -> ClassifyRequest` with random text."""
+    return _random_request

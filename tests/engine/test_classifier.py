@@ -1,0 +1,160 @@
+"""Classifier behaviour: batch invariance, per-clip sharing, per-request errors, load-time errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import uuid
+
+import numpy as np
+import pytest
+
+from batchjob.engine import ClassifyRequest, Classifier, Clip, EngineConfig, EngineError
+from batchjob.engine.mrope import placeholder_runs
+
+
+def _fresh(clip: Clip) -> Clip:
+    """The same frames under a new media id: no prefix of it is cached anywhere yet."""
+    return dataclasses.replace(clip, media_id=f"{clip.media_id}-{uuid.uuid4().hex[:8]}")
+
+
+def _with_clip(request: ClassifyRequest, clip: Clip) -> ClassifyRequest:
+    return dataclasses.replace(request, clip=clip)
+
+
+def test_batch_invariance(tiny_classifier, rng, make_clip, make_request):
+    clf = tiny_classifier("qwen2_5_vl-gqa")
+    clip = make_clip(rng, "inv")
+    request = make_request(rng, "target", _fresh(clip))
+    ids = clf.prompts.token_ids(request.question, request.options, 1)
+    video_start = placeholder_runs(ids, clf.checkpoint.video_token_id)[0][0]
+    alone = clf.classify([request])[0]
+    # Only the clip-independent system prompt before the video can be a hit for a new clip.
+    assert alone.cached_tokens <= video_start and alone.error is None
+
+    others = [make_request(rng, f"o{i}", make_clip(rng, f"other-{uuid.uuid4().hex}")) for i in range(4)]
+    packed = clf.classify(others[:2] + [_with_clip(request, _fresh(clip))] + others[2:])[2]
+    assert packed.cached_tokens <= video_start
+
+    budget = clf.config.max_num_batched_tokens
+    clf.config.max_num_batched_tokens = int(rng.integers(5, 40))  # forces several chunks per prompt
+    try:
+        chunked = clf.classify([_with_clip(request, _fresh(clip)), others[0]])[0]
+    finally:
+        clf.config.max_num_batched_tokens = budget
+    assert chunked.prompt_tokens > 2 * 40 and chunked.cached_tokens <= video_start
+
+    hit = clf.classify([request])[0]  # same media id as `alone`: its prefix blocks are cached
+    assert hit.cached_tokens > video_start + 1
+    for other in (packed, chunked, hit):
+        np.testing.assert_allclose(other.probs, alone.probs, rtol=0, atol=1e-5)
+        assert other.choice == alone.choice and other.prompt_tokens == alone.prompt_tokens
+
+
+def test_vision_runs_once_per_clip_and_prefix_is_shared(tiny_classifier, rng, make_clip, make_request):
+    clf = tiny_classifier("qwen2_5_vl-gqa")
+    clip = make_clip(rng, f"share-{uuid.uuid4().hex}")
+    requests = [make_request(rng, f"q{i}", clip) for i in range(4)]
+    before = clf.vision_calls
+    results = clf.classify(requests)
+    assert clf.vision_calls - before == 1
+    ids = clf.prompts.token_ids(requests[0].question, requests[0].options, 1)
+    video_start = placeholder_runs(ids, clf.checkpoint.video_token_id)[0][0]
+    video_end = results[0].prompt_tokens - (len(ids) - video_start - 1)
+    block = clf.config.block_size
+    assert results[0].cached_tokens <= video_start
+    for r in results[1:]:  # every full block of the system prompt + video is reused
+        assert r.cached_tokens == video_end // block * block > video_start
+
+    # Sharing off: the vision tower runs per request, nothing is cached, and the answers do not change.
+    private = tiny_classifier("qwen2_5_vl-gqa", enable_prefix_sharing=False)
+    before = private.vision_calls
+    unshared = private.classify([_with_clip(r, _fresh(clip)) for r in requests])
+    assert private.vision_calls - before == 4
+    assert all(r.cached_tokens == 0 for r in unshared)  # not even the system prompt
+    for a, b in zip(results, unshared):
+        np.testing.assert_allclose(a.probs, b.probs, rtol=0, atol=1e-5)
+
+
+def test_per_request_errors_do_not_stop_the_batch(tiny_classifier, rng, make_clip, make_request):
+    clf = tiny_classifier("qwen2_vl-gqa", max_model_len=400)
+    short = make_clip(rng, f"short-{uuid.uuid4().hex}", num_frames=2, size=(56, 56))
+    long = make_clip(rng, f"long-{uuid.uuid4().hex}", num_frames=40, size=(112, 112))
+    ok = make_request(rng, "ok", short)
+    requests = [
+        make_request(rng, "too-long", long),
+        ok,
+        dataclasses.replace(ok, request_id="one-option", options=("only",)),
+        dataclasses.replace(ok, request_id="six-options", options=tuple("abcdef")),
+        dataclasses.replace(ok, request_id="bad-frames", clip=Clip(np.zeros((2, 8, 8), np.uint8), {}, "x")),
+        make_request(rng, "ok2", short),
+    ]
+    results = clf.classify(requests)
+    assert [r.request_id for r in results] == [r.request_id for r in requests]
+    errors = {r.request_id: r.error for r in results}
+    assert "max_model_len 400" in errors["too-long"]
+    assert "2 to 5 options" in errors["one-option"] and "2 to 5 options" in errors["six-options"]
+    assert "[T, H, W, 3]" in errors["bad-frames"]
+    for i in (1, 5):
+        r = results[i]
+        assert r.error is None and len(r.probs) == len(requests[i].options) and abs(sum(r.probs) - 1) < 1e-9
+    assert all(r.choice is None and r.probs == [] for r in results if r.error)
+
+
+def test_results_follow_request_order_across_interleaved_clips(tiny_classifier, rng, make_clip, make_request):
+    clf = tiny_classifier("qwen2_vl-mha")
+    clips = [make_clip(rng, f"inter-{uuid.uuid4().hex}") for _ in range(3)]
+    requests = [make_request(rng, f"r{i}", clips[i % 3]) for i in range(7)]
+    together = clf.classify(requests)
+    assert [r.request_id for r in together] == [r.request_id for r in requests]
+    for request, result in zip(requests, together):
+        alone = clf.classify([_with_clip(request, _fresh(request.clip))])[0]
+        np.testing.assert_allclose(result.probs, alone.probs, rtol=0, atol=1e-5)
+
+
+@pytest.fixture
+def broken_checkpoint(checkpoint_dir, tmp_path):
+    def copy() -> str:
+        target = tmp_path / f"ckpt-{uuid.uuid4().hex[:6]}"
+        shutil.copytree(checkpoint_dir("qwen2_vl-gqa"), target)
+        return target
+
+    return copy
+
+
+def test_load_errors_name_the_problem(broken_checkpoint, tmp_path):
+    with pytest.raises(EngineError, match="no config.json"):
+        Classifier.from_pretrained(tmp_path)
+    path = broken_checkpoint()
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "llava"}))
+    with pytest.raises(EngineError, match="'llava' is not supported"):
+        Classifier.from_pretrained(path)
+    nested = {k: v for k, v in config.items() if k != "hidden_size"}
+    (path / "config.json").write_text(json.dumps({**nested, "text_config": {"hidden_size": 64}}))
+    with pytest.raises(EngineError, match="flat layout"):
+        Classifier.from_pretrained(path)
+    path = broken_checkpoint()
+    (path / "model.safetensors").unlink()
+    with pytest.raises(EngineError, match="safetensors"):
+        Classifier.from_pretrained(path)
+    path = broken_checkpoint()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).unlink()
+    with pytest.raises(EngineError, match="tokenizer"):
+        Classifier.from_pretrained(path)
+    with pytest.raises(EngineError, match="not a local directory"):
+        Classifier.from_pretrained(tmp_path / "no-such-dir")
+
+
+def test_budget_and_labels_fail_at_start(checkpoint_dir):
+    path = checkpoint_dir("qwen2_vl-gqa")
+    with pytest.raises(EngineError, match="memory budget"):
+        Classifier.from_pretrained(path, EngineConfig(memory_budget_gb=1e-4, max_model_len=4096))
+    with pytest.raises(EngineError, match="single token"):
+        Classifier.from_pretrained(path, EngineConfig(option_labels=("A1", "B", "C"), memory_budget_gb=1.0))
+    with pytest.raises(EngineError, match="max_num_batched_tokens"):
+        Classifier.from_pretrained(path, EngineConfig(max_num_batched_tokens=0))
+    with pytest.raises(EngineError, match="prompt_template"):
+        Classifier.from_pretrained(path, EngineConfig(prompt_template="{question} only"))

@@ -1,0 +1,93 @@
+"""Video preprocessing against transformers' own image processor and an independent numpy patchify."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from batchjob.engine import EngineError
+from batchjob.engine.preprocess import VisionSettings, load_vision_settings, preprocess_video, sampling_fps
+
+
+def _reference_video_patches(frames: np.ndarray, settings: VisionSettings) -> tuple[np.ndarray, tuple]:
+    """Frames -> normalized images via transformers' PIL image processor (one image each), then the video
+    processor's documented layout: (t, h/m, w/m, m, m, C, temporal, patch, patch), written out directly."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+
+    p, m, tp = settings.patch_size, settings.merge_size, settings.temporal_patch_size
+    h, w = smart_resize(frames.shape[1], frames.shape[2], factor=p * m, min_pixels=settings.min_pixels,
+                        max_pixels=settings.max_pixels)
+    proc = Qwen2VLImageProcessorPil(min_pixels=settings.min_pixels, max_pixels=settings.max_pixels)
+    # Undo the image processor's patchify on a single frame to recover the normalized image [C, H, W].
+    images = []
+    for frame in frames:
+        flat = np.asarray(proc(frame, return_tensors="np")["pixel_values"])
+        gh, gw = h // p, w // p
+        patches = flat.reshape(gh // m, gw // m, m, m, 3, tp, p, p)[:, :, :, :, :, 0]
+        images.append(patches.transpose(4, 0, 2, 5, 1, 3, 6).reshape(3, h, w))
+    video = np.stack(images)
+    if len(video) % tp:
+        video = np.concatenate([video, np.repeat(video[-1:], tp - len(video) % tp, axis=0)])
+    gt, gh, gw = len(video) // tp, h // p, w // p
+    x = video.reshape(gt, tp, 3, gh // m, m, p, gw // m, m, p)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gt * gh * gw, 3 * tp * p * p), (gt, gh, gw)
+
+
+@pytest.mark.parametrize("num_frames", [1, 2, 3, 4, 5])
+def test_matches_reference_layout(num_frames, rng):
+    settings = VisionSettings(min_pixels=28 * 28 * 2, max_pixels=int(rng.integers(28 * 28 * 4, 28 * 28 * 30)))
+    frames = rng.integers(0, 256, (num_frames, int(rng.integers(40, 200)), int(rng.integers(40, 200)), 3),
+                          dtype=np.uint8)
+    out = preprocess_video(frames, {"fps": 30.0, "frames_indices": list(range(num_frames))}, settings)
+    expected, grid = _reference_video_patches(frames, settings)
+    assert out.grid_thw == grid
+    assert out.num_tokens == grid[0] * grid[1] * grid[2] // 4
+    np.testing.assert_allclose(out.pixel_values, expected, rtol=0, atol=1e-6)
+
+
+def test_identical_frames_equal_image_processor_output(rng):
+    """A clip of two identical frames is exactly what the image processor makes of that one image."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    settings = VisionSettings(min_pixels=3136, max_pixels=28 * 28 * 20)
+    frame = rng.integers(0, 256, (1, 77, 131, 3), dtype=np.uint8)
+    out = preprocess_video(np.repeat(frame, 2, axis=0), {"fps": 2.0}, settings)
+    image = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=28 * 28 * 20)(frame[0], return_tensors="np")
+    np.testing.assert_array_equal(out.pixel_values, np.asarray(image["pixel_values"], dtype=np.float32))
+    assert out.grid_thw == tuple(int(v) for v in image["image_grid_thw"][0])
+
+
+def test_sampling_fps_from_uneven_indices():
+    assert sampling_fps({"fps": 30.0, "frames_indices": [0, 30, 90]}) == pytest.approx(2 / 3)  # 2 gaps in 3 s
+    assert sampling_fps({"fps": 25.0, "frames_indices": [7]}) == 25.0  # no span: source fps
+    assert sampling_fps({"fps": 25.0, "frames_indices": [4, 4, 4]}) == 25.0
+    assert sampling_fps({}) == 2.0  # Qwen's default sampling rate when nothing is known
+    out = preprocess_video(np.zeros((4, 28, 28, 3), np.uint8), {"fps": 30.0, "frames_indices": [0, 10, 20, 30]},
+                           VisionSettings(min_pixels=784, max_pixels=784 * 4))
+    assert out.second_per_grid_t == pytest.approx(2 / 3.0)
+
+
+def test_bad_frames_are_clear_errors():
+    settings = VisionSettings(min_pixels=784, max_pixels=784 * 4)
+    with pytest.raises(ValueError, match="uint8"):
+        preprocess_video(np.zeros((2, 28, 28, 3), np.float32), {}, settings)
+    with pytest.raises(ValueError, match=r"\[T, H, W, 3\]"):
+        preprocess_video(np.zeros((28, 28, 3), np.uint8), {}, settings)
+
+
+def test_vision_settings_from_checkpoint_and_overrides(tmp_path):
+    with pytest.raises(EngineError, match="preprocessor_config.json"):
+        load_vision_settings(tmp_path, None, None)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 100, "max_pixels": 5000}))
+    assert (load_vision_settings(tmp_path, None, None).min_pixels, load_vision_settings(tmp_path, None, None).max_pixels) == (100, 5000)
+    assert load_vision_settings(tmp_path, None, 9000).max_pixels == 9000
+    # transformers 5 layout and a video-specific config, which takes precedence
+    (tmp_path / "video_preprocessor_config.json").write_text(
+        json.dumps({"size": {"shortest_edge": 200, "longest_edge": 7000}, "temporal_patch_size": 2}))
+    s = load_vision_settings(tmp_path, None, None)
+    assert (s.min_pixels, s.max_pixels) == (200, 7000)
+    with pytest.raises(EngineError, match="inverted"):
+        load_vision_settings(tmp_path, 8000, None)

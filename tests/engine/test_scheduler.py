@@ -1,0 +1,98 @@
+"""Scheduler invariants on random workloads (host-side only: no model, no MLX arrays)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from batchjob.engine.scheduler import Scheduler, Sequence
+from batchjob.metal_backend import BlockPool, PoolExhaustedError
+
+VIDEO = 7
+
+
+def _workload(rng, num_clips: int, questions: int, block_size: int):
+    """Prompts like the engine's: shared system text, a clip's video run, then a per-question tail."""
+    system = rng.integers(10, 50, int(rng.integers(3, 20))).tolist()
+    seqs = []
+    for c in range(num_clips):
+        video = int(rng.integers(1, 6 * block_size))
+        for q in range(questions):
+            tail = rng.integers(10, 50, int(rng.integers(1, 30))).tolist()
+            ids = np.array(system + [VIDEO] * video + tail)
+            span = (len(system), len(system) + video)
+            seqs.append(Sequence(index=len(seqs), seq_id=f"s{len(seqs)}", media_key=f"clip{c}", token_ids=ids,
+                                 positions=np.zeros((3, len(ids)), np.int64), video_span=span, option_token_ids=[1]))
+    return seqs
+
+
+def _run(scheduler: Scheduler, seqs):
+    for s in seqs:
+        scheduler.add(s)
+    computed = {s.seq_id: [] for s in seqs}
+    steps, finished = [], []
+    while scheduler.has_work():
+        batch = scheduler.schedule()
+        assert batch, "a step with work pending scheduled nothing"
+        steps.append(batch)
+        for item in batch:
+            computed[item.seq.seq_id].append((item.seq.num_computed, item.num_new))
+        finished += scheduler.finish_step(batch)
+        assert len(steps) < 10_000
+    return steps, computed, finished
+
+
+@pytest.mark.parametrize("trial", range(8))
+def test_random_workloads(trial, rng):
+    block_size = int(rng.choice([4, 8, 16]))
+    seqs = _workload(rng, int(rng.integers(1, 5)), int(rng.integers(1, 5)), block_size)
+    longest = max(s.num_tokens for s in seqs)
+    budget = int(rng.integers(1, 2 * longest))
+    pool = BlockPool(-(-longest // block_size) + int(rng.integers(0, 40)), block_size)
+    steps, computed, finished = _run(Scheduler(pool, budget), seqs)
+
+    assert sorted(s.seq_id for s in finished) == sorted(s.seq_id for s in seqs)
+    for batch in steps:
+        assert sum(item.num_new for item in batch) <= budget
+        assert len({item.seq.seq_id for item in batch}) == len(batch)
+    for s in seqs:  # every token after the cached prefix is computed exactly once, in order
+        chunks = computed[s.seq_id]
+        assert chunks[0][0] == s.num_cached and s.num_cached <= s.num_tokens - 1
+        for (start, n), (next_start, _) in zip(chunks, chunks[1:]):
+            assert next_start == start + n
+        assert chunks[-1][0] + chunks[-1][1] == s.num_tokens
+        assert s.num_cached % block_size == 0
+    assert pool.num_free_blocks == pool.num_blocks  # everything freed
+
+
+def test_followers_wait_for_the_leader_then_share_the_video_prefix(rng):
+    block_size = 4
+    seqs = _workload(rng, 2, 4, block_size)
+    steps, computed, _ = _run(Scheduler(BlockPool(200, block_size), 10_000), seqs)
+    by_clip = {}
+    for s in seqs:
+        by_clip.setdefault(s.media_key, []).append(s)
+    for clip_seqs in by_clip.values():
+        leader, followers = clip_seqs[0], clip_seqs[1:]
+        first_step = {s.seq_id: next(i for i, b in enumerate(steps) if any(x.seq is s for x in b)) for s in clip_seqs}
+        for f in followers:
+            assert first_step[f.seq_id] > first_step[leader.seq_id]
+            # the hit covers every full block of the common prefix (system text + video)
+            common = leader.video_span[1]
+            assert f.num_cached == min(common, f.num_tokens - 1) // block_size * block_size
+
+
+def test_no_sharing_when_hashing_the_whole_prompt(rng):
+    seqs = _workload(rng, 1, 3, 4)
+    for i, s in enumerate(seqs):
+        s.share_prefix, s.media_key = False, f"private{i}"
+    _run(Scheduler(BlockPool(200, 4), 10_000), seqs)
+    assert all(s.num_cached == 0 for s in seqs)
+
+
+def test_pool_smaller_than_one_request_raises(rng):
+    seqs = _workload(rng, 1, 1, 4)
+    scheduler = Scheduler(BlockPool(1, 4), 100)
+    scheduler.add(seqs[0])
+    with pytest.raises(PoolExhaustedError, match="exhausted"):
+        scheduler.schedule()

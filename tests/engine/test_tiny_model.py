@@ -1,0 +1,63 @@
+"""The random checkpoint builder: seeded, hub layout, loadable by transformers and mlx-vlm alike."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchjob.synthetic.tiny_model import TinyModelSpec, mrope_section, write_tiny_checkpoint
+
+
+def test_seeded_and_hub_layout(tmp_path):
+    spec = TinyModelSpec(model_type="qwen2_vl", hidden_size=48, num_heads=6, num_kv_heads=2, num_layers=1, seed=7)
+    a = write_tiny_checkpoint(tmp_path / "a", spec)
+    b = write_tiny_checkpoint(tmp_path / "b", spec)
+    c = write_tiny_checkpoint(tmp_path / "c", TinyModelSpec(**{**spec.__dict__, "seed": 8}))
+    weights = [(p / "model.safetensors").read_bytes() for p in (a, b, c)]
+    assert weights[0] == weights[1] != weights[2]
+    assert sum(f.stat().st_size for f in a.iterdir()) < 5_000_000
+
+    config = json.loads((a / "config.json").read_text())
+    assert config["hidden_size"] == 48 and config["num_key_value_heads"] == 2 and "text_config" not in config
+    assert config["rope_scaling"] == {"type": "mrope", "mrope_section": mrope_section(8)}
+    assert sum(mrope_section(8)) == 4
+
+    from safetensors import safe_open
+
+    with safe_open(str(a / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" in names and any(n.startswith("visual.") for n in names)
+    assert any(n.startswith("model.layers.0.self_attn.k_proj") for n in names)
+    assert not any(n.startswith("model.language_model.") for n in names)
+
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    _, info = AutoModelForImageTextToText.from_pretrained(a, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tokenizer = AutoTokenizer.from_pretrained(a)
+    for token, key in [("<|video_pad|>", "video_token_id"), ("<|vision_start|>", "vision_start_token_id"),
+                       ("<|vision_end|>", "vision_end_token_id"), ("<|image_pad|>", "image_token_id")]:
+        assert tokenizer.convert_tokens_to_ids(token) == config[key] < config["vocab_size"]
+    text = "Which? A. x ünï"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+@pytest.mark.parametrize("bad", [dict(num_heads=4, num_kv_heads=3), dict(hidden_size=60, num_heads=4),
+                                 dict(model_type="llava")])
+def test_bad_specs_are_rejected(bad, tmp_path):
+    with pytest.raises(ValueError):
+        write_tiny_checkpoint(tmp_path, TinyModelSpec(**bad))
+
+
+def test_cli(tmp_path):
+    script = Path(__file__).resolve().parents[2] / "scripts" / "make_tiny_model.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "m"), "--model-type", "qwen2_5_vl",
+                          "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--layers", "1"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (64, 2, 1)

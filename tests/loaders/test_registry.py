@@ -1,0 +1,119 @@
+"""The registry, the public entry point, and the bridge into vLLM's registry."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import batchjob.loaders.vllm_bridge as bridge
+from batchjob.loaders import VIDEO_LOADER_REGISTRY, InvalidArgument, get_loader, list_loaders, load_video
+from batchjob.loaders.registry import VideoLoaderRegistry
+
+
+def test_builtin_loaders_are_listed():
+    assert {"pyav_keyframes", "pyav_adaptive", "opencv"} <= set(list_loaders())
+    assert get_loader("pyav_keyframes") is VIDEO_LOADER_REGISTRY.load("pyav_keyframes")
+
+
+def test_importing_the_module_registers_it():
+    """The use case "import our loader into your own code": a fresh interpreter, one import."""
+    code = ("import batchjob.loaders.pyav_keyframes as m; from batchjob.loaders import VIDEO_LOADER_REGISTRY as r; "
+            "assert r.load('pyav_keyframes') is m.PyAVKeyframeLoader; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_register_decorator_and_errors():
+    registry = VideoLoaderRegistry()
+
+    @registry.register("fake")
+    class Fake:
+        @classmethod
+        def load_bytes(cls, data, *, num_frames, **kwargs):
+            return np.zeros((num_frames, 2, 2, 3), np.uint8), {"n": num_frames}
+
+        @classmethod
+        def load_path(cls, path, *, num_frames, **kwargs):
+            return cls.load_bytes(b"", num_frames=num_frames)
+
+    assert registry.load("fake") is Fake and registry.names() == ["fake"] and "fake" in registry
+    with pytest.raises(InvalidArgument, match="fake"):
+        registry.load("missing")
+    with pytest.raises(TypeError, match="load_path"):
+        @registry.register("half")
+        class Half:
+            @classmethod
+            def load_bytes(cls, data, **kwargs):
+                return None
+
+
+def _fake_vllm(monkeypatch):
+    """A stand-in for vllm.multimodal.video with the same registry shape (vLLM is not in .venv)."""
+    video = types.ModuleType("vllm.multimodal.video")
+
+    class VideoLoader:
+        pass
+
+    class Registry:
+        def __init__(self):
+            self.loaders = {}
+
+        def register(self, name):
+            def wrap(cls):
+                assert issubclass(cls, VideoLoader)
+                self.loaders[name] = cls
+                return cls
+            return wrap
+
+    video.VideoLoader, video.VIDEO_LOADER_REGISTRY = VideoLoader, Registry()
+    vllm = types.ModuleType("vllm")
+    multimodal = types.ModuleType("vllm.multimodal")
+    vllm.multimodal, multimodal.video = multimodal, video
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.multimodal", multimodal)
+    monkeypatch.setitem(sys.modules, "vllm.multimodal.video", video)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
+    return video
+
+
+def test_bridge_serves_vllm_calls(monkeypatch, clips):
+    from batchjob.loaders.pyav_keyframes import PyAVKeyframeLoader
+
+    video = _fake_vllm(monkeypatch)
+    assert bridge.register_with_vllm("pyav_keyframes", PyAVKeyframeLoader)
+    path, _ = clips("h264_bframes_mp4")
+    data = open(path, "rb").read()
+    loader = video.VIDEO_LOADER_REGISTRY.loaders["pyav_keyframes"]
+    frames, meta = loader.load_bytes(data, num_frames=6, video_backend="pyav_keyframes", fps=2)
+    expected, expected_meta = load_video(path, num_frames=6)
+    np.testing.assert_array_equal(frames, expected)
+    assert meta == {key: expected_meta[key] for key in bridge.VLLM_METADATA_KEYS}
+    frames, _ = loader.load_bytes(data)  # vLLM's default num_frames=-1
+    assert len(frames) == bridge.VLLM_DEFAULT_NUM_FRAMES
+
+
+def test_bridge_is_off_without_vllm_or_when_disabled(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert bridge.register_with_vllm("pyav_keyframes", object) is False
+    _fake_vllm(monkeypatch)
+    monkeypatch.setenv("BATCHJOB_VLLM_BRIDGE", "0")
+    assert bridge.register_with_vllm("pyav_keyframes", object) is False
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed in this environment")
+def test_real_vllm_registry_serves_our_loader(clips):
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY as vllm_registry
+
+    import batchjob.loaders.pyav_keyframes  # noqa: F401
+
+    path, _ = clips("h264_bframes_mp4")
+    loader = vllm_registry.load("pyav_keyframes")
+    frames, meta = loader.load_bytes(open(path, "rb").read(), num_frames=6)
+    expected, expected_meta = load_video(path, num_frames=6)
+    np.testing.assert_array_equal(frames, expected)
+    assert meta["frames_indices"] == expected_meta["frames_indices"]

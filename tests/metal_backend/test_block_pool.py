@@ -1,0 +1,193 @@
+"""Block pool: property tests over random allocate/compute/free sequences, plus the prefix-hit rules."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from batchjob.metal_backend import BlockPool, PoolExhaustedError, hash_blocks, media_hash_spans
+
+BS = 4
+# A tiny alphabet of prompts so that prefixes collide often: shared system prompt, two clips, two questions.
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [9, 9, 9, 9, 9, 9, 9, 9]]
+MEDIA_IDS = ["clipA", "clipB"]
+
+
+@st.composite
+def prompts(draw):
+    base = list(draw(st.sampled_from(PREFIXES)))
+    tail = draw(st.lists(st.integers(0, 3), max_size=10))
+    tokens = base + tail
+    media = ()
+    if draw(st.booleans()):
+        start = draw(st.integers(0, len(tokens) - 1))
+        end = draw(st.integers(start + 1, len(tokens)))
+        media = ((start, end, draw(st.sampled_from(MEDIA_IDS))),)
+    return tokens, media
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Model: which tokens each live sequence holds and how far its KV is written."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool = BlockPool(num_blocks=12, block_size=BS)
+        self.live: dict[int, tuple[list[int], tuple, int]] = {}  # seq -> (tokens, media, computed)
+        self.writers: dict[int, int] = {}  # block -> seq that will write it (not yet committed)
+        self.next_id = 0
+
+    @rule(prompt=prompts())
+    def allocate(self, prompt):
+        tokens, media = prompt
+        seq = self.next_id
+        self.next_id += 1
+        free_before = self.pool.num_free_blocks
+        try:
+            got = self.pool.allocate(seq, tokens, media)
+        except PoolExhaustedError:
+            assert self.pool.num_free_blocks == free_before  # a refused allocation changes nothing
+            assert not self.pool.can_allocate(len(tokens))
+            return
+        assert len(got.block_table) == -(-len(tokens) // BS)
+        assert got.num_cached_tokens % BS == 0 and got.num_cached_tokens <= len(tokens) - 1
+        # A hit only reuses blocks committed by a live or freed sequence with the same tokens and media.
+        mine = hash_blocks(tokens, media, BS)
+        for i in range(got.num_cached_tokens // BS):
+            block = got.block_table[i]
+            assert self.pool.is_cached(block) and block not in self.writers
+            assert self.committed(block) == mine[i]
+        for block in got.block_table[got.num_cached_tokens // BS :]:
+            assert self.pool.ref_count(block) == 1  # fresh blocks are exclusively ours
+            self.writers[block] = seq
+        self.live[seq] = (tokens, media, got.num_cached_tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def compute(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.live)))
+        tokens, media, done = self.live[seq]
+        n = data.draw(st.integers(done, len(tokens)))
+        self.pool.mark_computed(seq, n)
+        table = self.pool.block_table(seq)
+        for i in range(n // BS):
+            if self.writers.get(table[i]) == seq:
+                del self.writers[table[i]]
+        self.live[seq] = (tokens, media, n)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.live)))
+        table = self.pool.block_table(seq)
+        self.pool.free(seq)
+        del self.live[seq]
+        for b in table:
+            if self.writers.get(b) == seq:
+                del self.writers[b]
+
+    def committed(self, block: int) -> bytes | None:
+        return self.pool.cached_hash(block)
+
+    @invariant()
+    def no_leak_no_double_owner(self):
+        held = Counter(b for s in self.live for b in self.pool.block_table(s))
+        for b in range(self.pool.num_blocks):
+            assert self.pool.ref_count(b) == held.get(b, 0), f"block {b}: ref count vs owners"
+        for s in self.live:
+            table = self.pool.block_table(s)
+            assert len(set(table)) == len(table), "a block appears twice in one table"
+        # every block is exactly one of: held, free, or evictable-cached
+        assert self.pool.num_free_blocks + len(held) == self.pool.num_blocks
+        # a block still being written belongs to exactly one sequence
+        for b, seq in self.writers.items():
+            assert held[b] == 1 and b in self.pool.block_table(seq)
+
+
+PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+test_pool_state_machine = PoolMachine.TestCase
+
+
+def test_prefix_hit_needs_same_tokens_and_same_media():
+    pool = BlockPool(num_blocks=32, block_size=BS)
+    tokens = [7] * 8 + [1, 2, 3, 4, 5]
+    a = pool.allocate("a", tokens, [(0, 8, "clipA")])
+    pool.mark_computed("a", len(tokens))
+    same = pool.allocate("same", tokens, [(0, 8, "clipA")])
+    assert same.num_cached_tokens == 12 and same.block_table[:3] == a.block_table[:3]
+    other_clip = pool.allocate("other", tokens, [(0, 8, "clipB")])
+    assert other_clip.num_cached_tokens == 0
+    shifted = pool.allocate("shifted", tokens, [(1, 8, "clipA")])
+    assert shifted.num_cached_tokens == 0
+    other_tail = pool.allocate("tail", tokens[:8] + [1, 2, 3, 9, 5], [(0, 8, "clipA")])
+    assert other_tail.num_cached_tokens == 8
+
+
+def test_uncommitted_blocks_are_never_hit_and_last_token_is_recomputed():
+    pool = BlockPool(num_blocks=16, block_size=BS)
+    tokens = list(range(8))
+    pool.allocate("writer", tokens)
+    assert pool.allocate("early", tokens).num_cached_tokens == 0  # KV not written yet
+    pool.mark_computed("writer", 8)
+    whole = pool.allocate("whole", tokens)
+    assert whole.num_cached_tokens == 4  # fully cached prompt: last block recomputed for its logits
+    assert pool.stats.query_tokens == 24 and pool.stats.hit_tokens == 4
+
+
+def test_freed_cached_blocks_are_reused_lru_after_plain_free_ones():
+    pool = BlockPool(num_blocks=7, block_size=BS)
+    for name, tok in [("old", 1), ("new", 2)]:
+        pool.allocate(name, [tok] * 5)  # one full (cached) block + one partial block each
+        pool.mark_computed(name, 5)
+    pool.free("old")
+    pool.free("new")
+    assert pool.num_free_blocks == 7
+    # 5 plain free blocks are taken first; the sixth must evict a cached block: the least recently freed
+    pool.allocate("big", list(range(100, 124)))
+    pool.free("big")
+    assert pool.allocate("new again", [2] * 5).num_cached_tokens == 4
+    assert pool.allocate("old again", [1] * 5).num_cached_tokens == 0
+
+
+def test_errors_name_the_problem():
+    pool = BlockPool(num_blocks=2, block_size=BS)
+    with pytest.raises(PoolExhaustedError, match="needs 3 new blocks"):
+        pool.allocate("x", list(range(9)))
+    with pytest.raises(ValueError, match="no tokens"):
+        pool.allocate("x", [])
+    with pytest.raises(ValueError, match="outside the prompt"):
+        pool.allocate("x", [1, 2], [(1, 5, "clip")])
+    pool.allocate("x", [1])
+    with pytest.raises(ValueError, match="already holds blocks"):
+        pool.allocate("x", [1])
+    with pytest.raises(KeyError, match="holds no blocks"):
+        pool.free("nope")
+    with pytest.raises(ValueError, match="between 0 and"):
+        pool.mark_computed("x", 2)
+
+
+def test_media_hash_spans_pairs_runs_with_ids():
+    toks = [1, 5, 5, 5, 2, 6, 6, 3, 5]
+    assert media_hash_spans(toks, [5, 6], ["a", "b", "c"]) == [(1, 4, "a"), (4 + 1, 7, "b"), (8, 9, "c")]
+    with pytest.raises(ValueError, match="one media id per video"):
+        media_hash_spans(toks, 5, ["a"])
+
+
+def test_duplicate_content_computed_twice_keeps_one_shared_copy():
+    """Two sequences with the same prompt computed concurrently: the first commit wins, the other block stays
+    private; evicting everything later must not trip over the duplicate."""
+    pool = BlockPool(num_blocks=6, block_size=BS)
+    a, b = pool.allocate("a", [3] * 9), pool.allocate("b", [3] * 9)
+    assert b.num_cached_tokens == 0  # nothing committed yet
+    pool.mark_computed("a", 9)
+    pool.mark_computed("b", 9)
+    assert pool.is_cached(a.block_table[0]) and not pool.is_cached(b.block_table[0])
+    pool.free("a")
+    pool.free("b")
+    pool.allocate("evict all", list(range(24)))
+    pool.free("evict all")
+    assert pool.num_free_blocks == 6 and not any(pool.is_cached(i) for i in range(6))
+    assert pool.allocate("again", [3] * 9).num_cached_tokens == 0

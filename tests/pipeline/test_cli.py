@@ -1,0 +1,74 @@
+"""CLI contract without Ray: bad configs exit 2 naming the key or path; helper commands."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+BAD = [
+    ({"loader": {"num_frame": 8}}, "loader.num_frame"),
+    ({"loader": {"num_frames": "sixteen"}}, "loader.num_frames"),
+    ({"dataset": {"annotation": "/nonexistent/anno.jsonl"}}, "/nonexistent/anno.jsonl"),
+    ({"loader": {"name": "decord"}}, "loader.name"),
+    ({"model": {"engine": "vllm"}}, "model.engine"),
+    ({"model": {"checkpoint": "/nonexistent/ckpt"}}, "/nonexistent/ckpt"),
+]
+# `run` shares validate's checks: two cases show it exits 2 before starting anything.
+CASES = [("validate", *c) for c in BAD] + [("run", *BAD[0]), ("run", *BAD[4])]
+
+
+@pytest.mark.parametrize("command, change, named", CASES)
+def test_bad_config_exits_2_naming_the_problem(tmp_path, h, synthetic, command, change, named):
+    manifest, _ = synthetic
+    cfg = h.write_config(tmp_path / "job.yaml", manifest, **change)
+    res = h.run_cli(command, str(cfg))
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr[-2000:])
+    assert named in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "out").exists()        # nothing started, nothing written
+    if "engine" in named:
+        assert "mlx" in res.stderr                # the valid choices are listed
+    if "loader.name" in named:
+        assert "pyav_keyframes" in res.stderr
+
+
+def test_validate_ok_and_helpers(tmp_path, h, synthetic):
+    manifest, clips = synthetic
+    res = h.run_cli("validate", str(h.write_config(tmp_path / "job.yaml", manifest)))
+    assert res.returncode == 0 and f"{len(clips) * 3} questions on {len(clips)} clips" in res.stdout, res.stderr
+    listed = h.run_cli("loaders")
+    assert listed.returncode == 0 and all(n in listed.stdout for n in ("pyav_keyframes", "pyav_adaptive", "opencv"))
+    missing = h.run_cli("report", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "no part-" in missing.stderr
+
+
+def test_console_script_preloads_openblas(h):
+    """cron users set no env vars: the CLI re-execs itself with the system OpenBLAS preloaded."""
+    openblas = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    if not os.path.exists(openblas):
+        pytest.skip("no system OpenBLAS on this machine")
+    env = {k: v for k, v in h.cli_env().items() if k not in ("LD_PRELOAD", "BATCHJOB_NO_OPENBLAS")}
+    run = subprocess.run([sys.executable, "-m", "batchjob.cli", "versions"], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and "openblas       preloaded" in run.stdout, run.stdout + run.stderr
+    env["BATCHJOB_NO_OPENBLAS"] = "1"
+    run = subprocess.run([sys.executable, "-m", "batchjob.cli", "versions"], env=env, capture_output=True, text=True)
+    assert "not preloaded" in run.stdout
+
+
+def test_shipped_configs_parse_and_demo_copy_matches():
+    """configs/*.yaml must stay valid against the schema; the packaged demo config is the same file."""
+    from pathlib import Path
+
+    from batchjob.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    for name in ("nextqa", "mvbench", "demo"):
+        cfg = load_config(root / "configs" / f"{name}.yaml")
+        assert cfg.loader.num_frames in (8, 16)
+    for name in ("nextqa", "mvbench"):
+        cfg = load_config(root / "configs" / f"{name}.yaml")
+        assert (cfg.model.checkpoint, cfg.model.max_pixels, cfg.loader.name, cfg.loader.num_frames) == \
+            ("Qwen/Qwen2.5-VL-7B-Instruct", 256 * 28 * 28, "pyav_keyframes", 16)
+    assert (root / "configs/demo.yaml").read_text() == (root / "batchjob/assets/demo.yaml").read_text()
