@@ -36,7 +36,9 @@ def make_requests(rng, num_clips: int, questions: int, frames: int, size: tuple[
     requests = []
     for c in range(num_clips):
         pixels = rng.integers(0, 256, (frames, *size, 3), dtype=np.uint8)
-        metadata = {"fps": 30.0, "frames_indices": list(range(0, 15 * frames, 15)), "video_backend": "synthetic"}
+        # 4 sampled frames/s: temporal position step tokens_per_second * 2 / 4 = 1, the one case where
+        # mlx-vlm's own get_rope_index (which ignores the time scale) is right, so (a) and (c) must agree.
+        metadata = {"fps": 60.0, "frames_indices": list(range(0, 15 * frames, 15)), "video_backend": "synthetic"}
         clip = Clip(pixels, metadata, media_id=f"{tag}-clip{c}")
         for q in range(questions):
             options = tuple(f"option {k} for question {q}" for k in range(4))

@@ -51,7 +51,7 @@ def job_config(path: Path, model: Path, manifest: Path, num_frames: int, out: Pa
         "dataset": {"adapter": "manifest", "annotation": str(manifest), "video_root": str(manifest.parent / "clips")},
         "model": {"checkpoint": str(model), "engine": "mlx", "dtype": "float32", "memory_budget_gb": 2},
         "loader": {"name": "pyav_keyframes", "num_frames": num_frames},
-        "runtime": {"decode_actors": 2, "engine_actors": 1, "decode_cpus": 0.5, "engine_cpus": 1,
+        "runtime": {"decode_actors": 2, "engine_actors": 1, "decode_cpus": 0.5, "engine_cpus": 2,
                     "frames_in_flight": 8, "clips_per_batch": 4},
         "output": {"directory": str(out), "rows_per_part": 256},
     }

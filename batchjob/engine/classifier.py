@@ -16,12 +16,13 @@ from typing import Sequence as Seq
 import mlx.core as mx
 import numpy as np
 
-from batchjob.metal_backend import BlockPool, KVCache, KVCacheBudgetError, paged_attention, plan_num_blocks
+from batchjob.metal_backend import (BlockPool, KVCache, KVCacheBudgetError, paged_attention, plan_num_blocks,
+                                    select_attention_backend)
 
 from .attention import install_paged_attention
 from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .mrope import mrope_positions, placeholder_runs, video_temporal_interval
-from .preprocess import image_processor, preprocess_video, sampling_fps
+from .preprocess import check_frames, image_processor, preprocess_video, sampling_fps
 from .prompt import PromptBuilder
 from .runner import encode_video, forward
 from .scheduler import Scheduler, Sequence
@@ -35,24 +36,20 @@ KV_REQUESTS_CAP = 4
 
 
 def _default_budget_bytes() -> int:
-    """Half the machine's physical memory (the other half is for decoding, Ray and the OS)."""
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
+    """Three quarters of physical memory (the rest for decoders, Ray and the OS); the KV pool is capped
+    separately (KV_REQUESTS_CAP), so this bounds what a large model may take, not what a small one does."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.75)
 
 
-def _select_attention(config: EngineConfig):
-    """(name, function): the backend selector of metal_backend when present, else the portable path."""
+def _select_attention(config: EngineConfig, dtype: mx.Dtype):
+    """(name, function): Metal kernels when they pass metal_backend's probe in our dtype, else portable."""
     if config.attention_backend == "portable":
         return "portable", paged_attention
-    try:
-        from batchjob.metal_backend import select_attention_backend
-    except ImportError:
-        if config.attention_backend == "metal":
-            raise EngineError("attention_backend='metal' requested but batchjob.metal_backend has no kernels here")
-        return "portable", paged_attention
-    backend = select_attention_backend(probe=True)
-    log.info("attention backend %s (%s)", backend.name, getattr(backend, "reason", ""))
+    backend = select_attention_backend(probe=True, dtype=dtype)
+    log.info("attention backend %s: %s", backend.name, backend.reason)
     if config.attention_backend == "metal" and backend.name != "metal":
-        raise EngineError(f"attention_backend='metal' requested but unavailable: {getattr(backend, 'reason', '')}")
+        raise EngineError(f"EngineConfig.attention_backend='metal' but the kernels are unusable: {backend.reason}; "
+                          "use attention_backend='auto' to fall back to the portable path")
     return backend.name, backend
 
 
@@ -70,7 +67,7 @@ class Classifier:
         self.checkpoint = checkpoint
         self.model_id = checkpoint.model_id
         self.prompts = PromptBuilder(checkpoint.tokenizer, config, checkpoint.video_token_id, str(checkpoint.path))
-        self.attention_backend, self._attention = _select_attention(config)
+        self.attention_backend, self._attention = _select_attention(config, checkpoint.dtype)
         lm = checkpoint.model.language_model
         num_layers = install_paged_attention(lm)
         head_dim, kv_heads = lm.head_dim, lm.n_kv_heads
@@ -101,10 +98,7 @@ class Classifier:
     # --- request preparation ---------------------------------------------------------------------------
     def _prepare(self, index: int, request: ClassifyRequest, call_id: int) -> Sequence:
         frames, vision = request.clip.frames, self.checkpoint.vision
-        if not (isinstance(frames, np.ndarray) and frames.ndim == 4 and frames.shape[-1] == 3 and len(frames)):
-            raise ValueError(f"clip frames must be a non-empty uint8 array [T, H, W, 3], got {getattr(frames, 'shape', None)}")
-        if frames.dtype != np.uint8:
-            raise ValueError(f"clip frames must be uint8 RGB, got dtype {frames.dtype}")
+        check_frames(frames)
         factor = vision.patch_size * vision.merge_size
         height, width = _smart_resize(frames.shape[1], frames.shape[2], factor, vision.min_pixels, vision.max_pixels)
         grid = (math.ceil(len(frames) / vision.temporal_patch_size), height // vision.patch_size,

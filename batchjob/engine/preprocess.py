@@ -104,13 +104,18 @@ def sampling_fps(metadata: dict) -> float:
     return fps if span <= 0 else (len(indices) - 1) * fps / span
 
 
-def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSettings, processor=None) -> VideoInputs:
-    """Pixel values and grid for one clip (see the module docstring for the method)."""
+def check_frames(frames: np.ndarray) -> None:
+    """ValueError (a per-request error) unless `frames` is what the loaders return: uint8 [T, H, W, 3]."""
     if not (isinstance(frames, np.ndarray) and frames.ndim == 4 and frames.shape[-1] == 3 and len(frames)):
         shape = getattr(frames, "shape", None)
         raise ValueError(f"clip frames must be a non-empty uint8 array [T, H, W, 3], got shape {shape}")
     if frames.dtype != np.uint8:
         raise ValueError(f"clip frames must be uint8 RGB, got dtype {frames.dtype}")
+
+
+def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSettings, processor=None) -> VideoInputs:
+    """Pixel values and grid for one clip (see the module docstring for the method)."""
+    check_frames(frames)
     tp = settings.temporal_patch_size
     pad = (-len(frames)) % tp
     if pad:

@@ -57,7 +57,7 @@ class EngineConfig:
     max_pixels: int | None = None
     max_num_batched_tokens: int = 8192
     max_model_len: int = 32768
-    memory_budget_gb: float | None = None  # None = half the machine's memory, KV capped at a few requests
+    memory_budget_gb: float | None = None  # None = 3/4 of physical memory; KV pool capped at a few requests
     block_size: int = 16
     option_labels: tuple[str, ...] = ("A", "B", "C", "D", "E")
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE

@@ -35,11 +35,20 @@ def check_attention_inputs(q: mx.array, k_cache: mx.array, v_cache: mx.array, me
 
 
 def gather_context(cache: mx.array, block_row, context_len: int) -> mx.array:
-    """Contiguous `[context_len, Hkv, D]` view of one sequence's KV, gathered through its block table."""
+    """Contiguous `[context_len, Hkv, D]` view of one sequence's KV, gathered through its block table.
+
+    Blocks handed out in ascending runs (the common case for a fresh pool) are sliced, not gathered: a slice
+    is a view, a gather copies the whole context.
+    """
     _, bs, hkv, d = cache.shape
     num_blocks = -(-context_len // bs)
-    blocks = mx.array(block_row[:num_blocks])
-    return cache[blocks].reshape(num_blocks * bs, hkv, d)[:context_len]
+    row = np.asarray(block_row[:num_blocks])
+    if num_blocks == 1 or bool(np.all(np.diff(row) == 1)):
+        first = int(row[0])
+        picked = cache[first : first + num_blocks]
+    else:
+        picked = cache[mx.array(row)]
+    return picked.reshape(num_blocks * bs, hkv, d)[:context_len]
 
 
 def decode_groups(context_lens: Sequence[int], slack: float = 1.25) -> list[list[int]]:

@@ -40,8 +40,10 @@ def make_ragged_batch(
     block_size: int,
     dtype: mx.Dtype = mx.float32,
     spare_blocks: int = 3,
+    shuffle_blocks: bool = True,
 ) -> RaggedBatch:
-    """Sequences with `cached_lens[i]` tokens already cached and `q_lens[i]` new ones, blocks shuffled.
+    """Sequences with `cached_lens[i]` tokens already cached and `q_lens[i]` new ones, blocks shuffled
+    (or handed out in ascending order, as a fresh pool does, with `shuffle_blocks=False`).
 
     Spare blocks are filled with large garbage so any read outside a sequence's own blocks shows up as a
     wrong answer rather than passing silently. Values are rounded to `dtype` before the host copies are taken,
@@ -52,7 +54,7 @@ def make_ragged_batch(
     ctx = [int(q) + int(c) for q, c in zip(q_lens, cached_lens)]
     need = [-(-c // block_size) for c in ctx]
     num_blocks = sum(need) + spare_blocks
-    perm = rng.permutation(num_blocks)
+    perm = rng.permutation(num_blocks) if shuffle_blocks else np.arange(num_blocks)
     tables, used = [], 0
     for n in need:
         tables.append([int(b) for b in perm[used : used + n]])

@@ -35,6 +35,7 @@ _FORMATS = {"mp4": "mp4", "mov": "mov", "mkv": "matroska", "webm": "webm"}
 # odd sizes, variable frame rate, rotation) are what loaders must survive.
 CATALOGUE: dict[str, dict] = {
     "h264_bframes_mp4": dict(codec="h264", container="mp4", seconds=4, gop_seconds=1, bframes=2),
+    "h264_open_gop_mp4": dict(codec="h264", container="mp4", seconds=4, gop_seconds=1, bframes=3, open_gop=True),
     "hevc_bframes_mp4": dict(codec="hevc", container="mp4", seconds=4, gop_seconds=1, bframes=3),
     "mpeg4_bframes_mp4": dict(codec="mpeg4", container="mp4", seconds=3, gop_seconds=0.5, bframes=2),
     "h264_bframes_mkv": dict(codec="h264", container="mkv", seconds=3, gop_seconds=0.5, bframes=2),
@@ -124,11 +125,16 @@ def read_counter(frame: np.ndarray) -> int:
     return value
 
 
-def _encoder_options(codec: str, gop: int, bframes: int) -> dict[str, str]:
-    """Per-encoder settings that pin the GOP (no scene-cut keyframes) and pick the fastest preset."""
+def _encoder_options(codec: str, gop: int, bframes: int, open_gop: bool = False) -> dict[str, str]:
+    """Per-encoder settings that pin the GOP (no scene-cut keyframes) and pick the fastest preset.
+
+    x265 makes open GOPs by default (pictures after a keyframe in decode order shown before it); x264
+    only when asked (`open_gop`), which is what some cameras and streaming encoders produce.
+    """
     if codec == "h264":
+        extra = ":open-gop=1" if open_gop else ""
         return {"preset": "ultrafast" if bframes == 0 else "veryfast", "tune": "zerolatency" if bframes == 0 else "",
-                "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes={bframes}:log-level=error"}
+                "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes={bframes}{extra}:log-level=error"}
     if codec == "hevc":
         return {"preset": "ultrafast",
                 "x265-params": f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes={bframes}:log-level=error"}
@@ -159,7 +165,7 @@ def make_clip(path: str | os.PathLike, *, codec: Codec = "h264", container: str 
               gop_seconds: float = 1.0, bframes: int = 2, pattern: Pattern = "counter", vfr: bool = False,
               rotation: int = 0, single_keyframe: bool = False, seed: int = 0,
               color: tuple[int, int, int] = (220, 40, 40), direction: int = 1,
-              faststart: bool = False) -> ClipInfo:
+              faststart: bool = False, open_gop: bool = False) -> ClipInfo:
     """Encode a clip; return what was asked for so tests can check decoders against it.
 
     `faststart` puts an MP4's index (moov) before the media data, as web-ready files have it; a file
@@ -192,7 +198,7 @@ def make_clip(path: str | os.PathLike, *, codec: Codec = "h264", container: str 
         stream.codec_context.max_b_frames = bframes
         if codec == "mpeg4":
             stream.codec_context.qmax = 4  # keep the counter bits crisp
-        stream.options = {k: v for k, v in _encoder_options(codec, gop, bframes).items() if v}
+        stream.options = {k: v for k, v in _encoder_options(codec, gop, bframes, open_gop).items() if v}
         if rotation:
             stream.set_display_rotation(rotation)
         for i, t in enumerate(times):

@@ -54,18 +54,21 @@ def test_batch_invariance(tiny_classifier, rng, make_clip, make_request):
 
 def test_vision_runs_once_per_clip_and_prefix_is_shared(tiny_classifier, rng, make_clip, make_request):
     clf = tiny_classifier("qwen2_5_vl-gqa")
-    clip = make_clip(rng, f"share-{uuid.uuid4().hex}")
+    clip = make_clip(rng, f"share-{uuid.uuid4().hex}", num_frames=6, size=(112, 168))  # 72 video tokens
     requests = [make_request(rng, f"q{i}", clip) for i in range(4)]
     before = clf.vision_calls
     results = clf.classify(requests)
     assert clf.vision_calls - before == 1
-    ids = clf.prompts.token_ids(requests[0].question, requests[0].options, 1)
-    video_start = placeholder_runs(ids, clf.checkpoint.video_token_id)[0][0]
-    video_end = results[0].prompt_tokens - (len(ids) - video_start - 1)
+    num_video = results[0].prompt_tokens - len(clf.prompts.token_ids(requests[0].question, requests[0].options, 0))
+    prompts = [clf.prompts.token_ids(r.question, r.options, num_video) for r in requests]
+    video_start, video_end = placeholder_runs(prompts[0], clf.checkpoint.video_token_id)[0]
     block = clf.config.block_size
     assert results[0].cached_tokens <= video_start
-    for r in results[1:]:  # every full block of the system prompt + video is reused
-        assert r.cached_tokens == video_end // block * block > video_start
+    for ids, r in zip(prompts[1:], results[1:]):  # every full block of the common prefix is reused
+        common = next((i for i, (a, b) in enumerate(zip(ids, prompts[0])) if a != b), min(len(ids), len(prompts[0])))
+        assert common >= video_end
+        assert r.cached_tokens == min(common, len(ids) - 1) // block * block
+        assert r.cached_tokens >= video_end // block * block > video_start
 
     # Sharing off: the vision tower runs per request, nothing is cached, and the answers do not change.
     private = tiny_classifier("qwen2_5_vl-gqa", enable_prefix_sharing=False)
@@ -78,7 +81,7 @@ def test_vision_runs_once_per_clip_and_prefix_is_shared(tiny_classifier, rng, ma
 
 
 def test_per_request_errors_do_not_stop_the_batch(tiny_classifier, rng, make_clip, make_request):
-    clf = tiny_classifier("qwen2_vl-gqa", max_model_len=400)
+    clf = tiny_classifier("qwen2_vl-gqa", max_model_len=300)
     short = make_clip(rng, f"short-{uuid.uuid4().hex}", num_frames=2, size=(56, 56))
     long = make_clip(rng, f"long-{uuid.uuid4().hex}", num_frames=40, size=(112, 112))
     ok = make_request(rng, "ok", short)
@@ -93,7 +96,7 @@ def test_per_request_errors_do_not_stop_the_batch(tiny_classifier, rng, make_cli
     results = clf.classify(requests)
     assert [r.request_id for r in results] == [r.request_id for r in requests]
     errors = {r.request_id: r.error for r in results}
-    assert "max_model_len 400" in errors["too-long"]
+    assert "max_model_len 300" in errors["too-long"]
     assert "2 to 5 options" in errors["one-option"] and "2 to 5 options" in errors["six-options"]
     assert "[T, H, W, 3]" in errors["bad-frames"]
     for i in (1, 5):
@@ -158,3 +161,10 @@ def test_budget_and_labels_fail_at_start(checkpoint_dir):
         Classifier.from_pretrained(path, EngineConfig(max_num_batched_tokens=0))
     with pytest.raises(EngineError, match="prompt_template"):
         Classifier.from_pretrained(path, EngineConfig(prompt_template="{question} only"))
+    import mlx.core as mx
+
+    if not mx.metal.is_available():  # no Metal here: asking for the kernels is an error, auto falls back
+        with pytest.raises(EngineError, match="attention_backend='metal'"):
+            Classifier.from_pretrained(path, EngineConfig(attention_backend="metal", memory_budget_gb=1.0))
+        auto = Classifier.from_pretrained(path, EngineConfig(memory_budget_gb=1.0, max_model_len=1024))
+        assert auto.attention_backend == "portable"

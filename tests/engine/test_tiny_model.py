@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -53,11 +52,15 @@ def test_bad_specs_are_rejected(bad, tmp_path):
         write_tiny_checkpoint(tmp_path, TinyModelSpec(**bad))
 
 
-def test_cli(tmp_path):
+def test_cli(tmp_path, capsys):
     script = Path(__file__).resolve().parents[2] / "scripts" / "make_tiny_model.py"
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "m"), "--model-type", "qwen2_5_vl",
-                          "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--layers", "1"],
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == str(tmp_path / "m")
+    spec = importlib.util.spec_from_file_location("make_tiny_model", script)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    assert cli.main([str(tmp_path / "m"), "--model-type", "qwen2_5_vl", "--heads", "2", "--kv-heads", "1",
+                     "--head-dim", "32", "--layers", "1"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "m")
+    assert cli.main([str(tmp_path / "bad"), "--heads", "4", "--kv-heads", "3"]) == 2
+    assert "multiple of num_kv_heads" in capsys.readouterr().err
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (64, 2, 1)

@@ -8,7 +8,8 @@ import pytest
 from batchjob.loaders import UnsupportedMedia, load_video
 
 
-@pytest.mark.parametrize("name", ["h264_bframes_mp4", "hevc_bframes_mp4", "mpeg4_bframes_mp4", "vp9_webm",
+@pytest.mark.parametrize("name", ["h264_bframes_mp4", "h264_open_gop_mp4", "hevc_bframes_mp4", "mpeg4_bframes_mp4",
+                                  "vp9_webm",
                                   "h264_bframes_mkv", "h264_vfr", "h264_single_keyframe"])
 def test_matches_full_decode(clips, expect, rng, name):
     path, ref = clips(name)

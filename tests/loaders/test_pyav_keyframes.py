@@ -46,12 +46,13 @@ def test_index_path_equals_sweep_path(clips, name):
         np.testing.assert_array_equal(a, b)
 
 
-def test_hevc_open_gop_keyframes_are_not_at_their_decode_position(clips):
-    """Guards the test itself: libx265's open GOPs put a shown-earlier picture after each later keyframe,
-    so an index path that used decode positions as frame indices would fail the tests above."""
+@pytest.mark.parametrize("name", ["hevc_bframes_mp4", "h264_open_gop_mp4"])
+def test_open_gop_keyframes_are_not_at_their_decode_position(clips, name):
+    """Guards the tests themselves: open GOPs put shown-earlier pictures after each later keyframe, so an
+    index path that used decode positions as frame indices would fail the tests above."""
     import av
 
-    path, ref = clips("hevc_bframes_mp4")
+    path, ref = clips(name)
     with av.open(path) as container:
         flags = [p.is_keyframe for p in container.demux(video=0) if p.size]
     decode_positions = [i for i, key in enumerate(flags) if key]
@@ -89,7 +90,7 @@ def test_bytes_and_file_objects_match_path(clips, name):
         assert meta["frames_indices"] == meta_path["frames_indices"]
 
 
-@pytest.mark.parametrize("name", ["h264_bframes_mp4", "hevc_bframes_mp4", "h264_bframes_mkv"])
+@pytest.mark.parametrize("name", ["h264_bframes_mp4", "h264_open_gop_mp4", "hevc_bframes_mp4", "h264_bframes_mkv"])
 def test_never_decodes_a_delta_frame(clips, monkeypatch, name):
     """Every packet handed to the decoder is a keyframe, and each distinct keyframe is decoded once."""
     path, ref = clips(name)

@@ -112,8 +112,20 @@ def test_real_vllm_registry_serves_our_loader(clips):
     import batchjob.loaders.pyav_keyframes  # noqa: F401
 
     path, _ = clips("h264_bframes_mp4")
-    loader = vllm_registry.load("pyav_keyframes")
-    frames, meta = loader.load_bytes(open(path, "rb").read(), num_frames=6)
+    data = open(path, "rb").read()
     expected, expected_meta = load_video(path, num_frames=6)
+    frames, meta = vllm_registry.load("pyav_keyframes").load_bytes(data, num_frames=6)
     np.testing.assert_array_equal(frames, expected)
-    assert meta["frames_indices"] == expected_meta["frames_indices"]
+    assert meta == {key: expected_meta[key] for key in bridge.VLLM_METADATA_KEYS}
+    # the path users take: media_io_kwargs={"video": {"video_backend": "pyav_keyframes", ...}}
+    try:
+        from vllm.multimodal.media.image import ImageMediaIO
+        from vllm.multimodal.media.video import VideoMediaIO
+    except ImportError:  # older vLLM layout
+        from vllm.multimodal.image import ImageMediaIO
+        from vllm.multimodal.video import VideoMediaIO
+    media_io = VideoMediaIO(ImageMediaIO(), num_frames=6, video_backend="pyav_keyframes", fps=2)
+    loaded = media_io.load_bytes(data)
+    frames, meta = getattr(loaded, "media", loaded)
+    np.testing.assert_array_equal(frames, expected)
+    assert meta["video_backend"] == "pyav_keyframes"

@@ -47,7 +47,7 @@ def dense_reference():
 
 # --- CPU emulator for the Metal kernels ---------------------------------------------------------------------
 # The kernels cannot run here (no Metal), so the tests compile the exact kernel text with g++ against a small
-# shim (metal_shim.hpp) that gives each threadgroup real threads, a real simd_sum and real barriers. The
+# shim (metal_shim.hpp) that runs each threadgroup's threads as fibers with a real simd_sum and real barriers. The
 # signature is written the way mx.fast.metal_kernel writes it, including `constant` for inputs under 8
 # elements; the launch (grid, template constants, inputs) is the one the product computes.
 
@@ -59,10 +59,6 @@ _ATTRIBUTES = [  # MLX's order; an attribute is passed only when the body names 
 _CTYPES = {"float32": ("float", np.float32), "float16": ("float16_t", np.float16), "int32": ("int", np.int32)}
 
 _MAIN = r"""
-#include <fstream>
-#include <string>
-#include <thread>
-#include <vector>
 template <typename V> static std::vector<V> load(const std::string& path) {
     std::ifstream f(path, std::ios::binary | std::ios::ate);
     const size_t n = size_t(f.tellg()) / sizeof(V);
@@ -76,34 +72,31 @@ int main(int, char** argv) {
     %(loads)s
     std::vector<%(out_t)s> out(%(out_n)d);
     const uint3 grid = {%(grid)s}, tg = {%(tg)s};
-    const uint n = tg.x * tg.y * tg.z, nsg = (n + 31) / 32;
-    simd_barriers = new TimedBarrier[nsg];
-    for (uint i = 0; i < nsg; ++i) simd_barriers[i].count = 32;
-    simd_values = new float[nsg][32];
-    threadgroup_bar.count = n;
-    TimedBarrier launch;
-    launch.count = n;
-    std::vector<std::thread> workers;
-    for (uint tid = 0; tid < n; ++tid) {
-        workers.emplace_back([&, tid] {
-            simd_ctx = {tid %% 32, tid / 32};
-            for (uint gz = 0; gz < grid.z / tg.z; ++gz)
-            for (uint gy = 0; gy < grid.y / tg.y; ++gy)
-            for (uint gx = 0; gx < grid.x / tg.x; ++gx) {
-                launch.wait("launch");
-                const uint3 local = {tid %% tg.x, (tid / tg.x) %% tg.y, tid / (tg.x * tg.y)};
-                const uint3 group = {gx, gy, gz};
-                const uint3 global = {gx * tg.x + local.x, gy * tg.y + local.y, gz * tg.z + local.z};
-                (void)local; (void)group; (void)global;
-                kernel_fn<%(targs)s>(%(call)s);
-            }
-        });
+    const uint n = tg.x * tg.y * tg.z;
+    std::vector<EmuFiber> fibers(n);
+    for (auto& f : fibers) f.stack.resize(256 * 1024);
+    for (uint gz = 0; gz < grid.z / tg.z; ++gz)
+    for (uint gy = 0; gy < grid.y / tg.y; ++gy)
+    for (uint gx = 0; gx < grid.x / tg.x; ++gx) {
+        emu_thread_body = [&](uint tid) {
+            const uint3 local = {tid %% tg.x, (tid / tg.x) %% tg.y, tid / (tg.x * tg.y)};
+            const uint3 group = {gx, gy, gz};
+            const uint3 global = {gx * tg.x + local.x, gy * tg.y + local.y, gz * tg.z + local.z};
+            (void)local; (void)group; (void)global;
+            kernel_fn<%(targs)s>(%(call)s);
+        };
+        emu_run_threadgroup(fibers, n);
     }
-    for (auto& w : workers) w.join();
     std::ofstream(dir + "/out.bin", std::ios::binary).write(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(out[0]));
     return 0;
 }
 """
+
+
+def _run(cmd: list[str], what: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise AssertionError(f"{what} failed ({done.returncode}):\n{done.stderr[-4000:]}")
 
 
 class MetalEmulator:
@@ -147,13 +140,13 @@ class MetalEmulator:
         if not binary.exists():
             cpp = self.workdir / f"kernel_{key}.cpp"
             cpp.write_text(src)
-            subprocess.run([self.compiler, "-std=c++17", "-O1", "-pthread", "-w", f"-I{Path(__file__).parent}",
-                            str(cpp), "-o", str(binary)], check=True, capture_output=True, text=True)
+            _run([self.compiler, "-std=c++17", "-O1", "-w", f"-I{Path(__file__).parent}", str(cpp), "-o",
+                  str(binary)], "compiling the kernel for the emulator")
         run_dir = self.workdir / f"run_{key}_{secrets.token_hex(4)}"
         run_dir.mkdir()
         for name, arr, dt in arrays:
             arr.astype(_CTYPES[dt][1]).tofile(run_dir / f"{name}.bin")
-        subprocess.run([str(binary), str(run_dir)], check=True, capture_output=True, text=True, timeout=120)
+        _run([str(binary), str(run_dir)], "running the emulated kernel")
         out = np.fromfile(run_dir / "out.bin", dtype=_CTYPES[str(launch.output_dtype).split(".")[-1]][1])
         return out.reshape(launch.output_shape)
 

@@ -16,10 +16,9 @@ from batchjob.metal_backend import paged_attention, select_attention_backend
 from batchjob.metal_backend.kernels import kernel_launch, kernel_source
 from batchjob.metal_backend.probe import make_ragged_batch
 
-CONFIGS = [  # (head_dim, GQA ratio, block size): few, because each is one compile per kernel
-    (64, 1, 16),
-    (80, 4, 32),
-    (128, 8, 16),
+CONFIGS = [  # (head_dim, GQA ratio, block size): few, because each is one compile per kernel; the probe
+    (64, 1, 16),  # test below adds head_dim 128 with GQA 4
+    (80, 8, 32),
 ]
 
 
@@ -71,3 +70,28 @@ def test_sources_never_name_an_address_space():
     for name in ["paged_attention_common.metal", "paged_attention_per_token.metal", "paged_attention_tiled.metal"]:
         code = re.sub(r"//[^\n]*", "", kernel_source(name))
         assert not re.search(r"\b(device|constant)\b", code), name
+
+
+def test_emulator_catches_a_divergent_simd_sum(rng, metal_emulator, monkeypatch):
+    """simd_sum reached by only half the lanes hangs or corrupts on a GPU; the emulator must refuse it."""
+    import batchjob.metal_backend.kernels as kernels
+
+    original = kernels.kernel_source
+
+    def broken(name):
+        text = original(name)
+        return text.replace("metal::simd_sum(partial)", "(lane < 16 ? metal::simd_sum(partial) : 0.0f)")
+
+    monkeypatch.setattr(kernels, "kernel_source", broken)
+    batch = make_ragged_batch(rng, [1, 1], [4, 9], num_q_heads=1, num_kv_heads=1, head_dim=64, block_size=16)
+    with pytest.raises(AssertionError, match="not every thread reaches"):
+        metal_emulator(kernel_launch(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, "per_token"))
+
+
+@pytest.mark.parametrize("kind", ["per_token", "tiled"])
+def test_kernel_half_precision(rng, metal_emulator, kind):
+    batch = make_ragged_batch(rng, [1, 17, 5], [30, 0, 16], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                              block_size=16, dtype=mx.float16)
+    got = metal_emulator(kernel_launch(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, kind))
+    want = np.array(paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125).astype(mx.float32))
+    assert got.dtype == np.float16 and np.abs(got.astype(np.float32) - want).max() < 4e-3
