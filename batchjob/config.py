@@ -213,8 +213,10 @@ def check_paths(cfg: JobConfig) -> None:
     """Every input the job reads must exist before Ray starts; the message says how to get it."""
     where = cfg.source or "config"
     ds = cfg.dataset
-    hint = {"nextqa": "scripts/prepare_nextqa.py", "mvbench": "scripts/prepare_mvbench.py"}.get(ds.adapter)
-    fetch = f" (prepare it with {hint})" if hint else ""
+    fetch = {"nextqa": " (prepare it with scripts/prepare_nextqa.py)",
+             "mvbench": " (prepare it with scripts/prepare_mvbench.py)",
+             "manifest": " (a JSONL/CSV manifest: id, video, question, options[, answer, category]; "
+                         "configs/demo.yaml is meant for `batchjob demo`, which builds its files)"}[ds.adapter]
     if not Path(ds.annotation).exists():
         raise ConfigError(f"{where}: dataset.annotation: file not found: {ds.annotation}{fetch}")
     if ds.video_root and not Path(ds.video_root).is_dir():
@@ -223,6 +225,9 @@ def check_paths(cfg: JobConfig) -> None:
     if Path(ckpt).is_absolute() and not Path(ckpt).is_dir():
         raise ConfigError(f"{where}: model.checkpoint: directory not found: {ckpt} "
                           "(a local Hugging Face checkpoint directory, or a hub id such as Qwen/Qwen2.5-VL-7B-Instruct)")
+    if cfg.model.engine == "mlx" and Path(ckpt).is_absolute() and not (Path(ckpt) / "config.json").is_file():
+        raise ConfigError(f"{where}: model.checkpoint: {ckpt} has no config.json; point it at a Hugging Face "
+                          "checkpoint directory (the one holding config.json and *.safetensors)")
     out = Path(cfg.output.directory)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{where}: output.directory: exists and is not a directory: {out}")

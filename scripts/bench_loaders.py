@@ -4,8 +4,9 @@
     python scripts/bench_loaders.py [--runs 5] [--num-frames 16] [--clip-dir .cache/bench_clips] [--json out.json]
 
 Clips (built once by scripts/make_clips.py, then reused): 30 s 640x360 GOP 2 s, and 600 s 320x180 GOP 10 s,
-H.264 with B-frames in MP4. Every timing is a median over --runs runs after one warm-up, all in this run,
-so the ratios compare like with like on whatever else the machine is doing. The issue's targets are
+H.264 with B-frames in MP4. Every timing is a median over --runs rounds after one warm-up, all in this run,
+methods taking turns within each round, so the ratios compare like with like on whatever else the
+machine is doing. The issue's targets are
 checked and printed at the end: pyav_keyframes on the 600 s clip <= 0.4x the reference and >= 30x faster
 than opencv, and its 600 s time <= 2x its 30 s time.
 """
@@ -37,14 +38,19 @@ METHODS = {
 }
 
 
-def median_ms(fn, path: str, num_frames: int, runs: int) -> tuple[float, dict]:
-    _, meta = fn(path, num_frames)  # warm-up: page cache, codec init
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn(path, num_frames)
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times), meta
+def time_rounds(clips: dict[str, str], num_frames: int, runs: int) -> dict[str, dict[str, float]]:
+    """Median ms per (clip, method). Methods take turns within each round, so a load spike from another
+    process on a shared machine hits all of them alike instead of skewing one method's runs."""
+    samples: dict[str, dict[str, list[float]]] = {clip: {m: [] for m in METHODS} for clip in clips}
+    for clip, path in clips.items():
+        for fn in METHODS.values():
+            fn(path, num_frames)  # warm-up: page cache, codec init
+        for _ in range(runs):
+            for method, fn in METHODS.items():
+                start = time.perf_counter()
+                fn(path, num_frames)
+                samples[clip][method].append((time.perf_counter() - start) * 1000)
+    return {clip: {m: statistics.median(v) for m, v in per.items()} for clip, per in samples.items()}
 
 
 def main() -> None:
@@ -57,15 +63,12 @@ def main() -> None:
     if args.runs < 5:
         parser.error("--runs must be at least 5 (medians of fewer runs are noise on a shared machine)")
     clips = build(args.clip_dir, BENCH_CLIPS)
-    results: dict[str, dict[str, float]] = {}
     for clip, path in clips.items():
         ref_frames, ref_meta = load_keyframes_reference(path, args.num_frames)
         kf_frames, kf_meta = load_video(path, num_frames=args.num_frames)
         if kf_meta["frames_indices"] != ref_meta["frames_indices"] or not np.array_equal(kf_frames, ref_frames):
             sys.exit(f"{clip}: pyav_keyframes differs from the reference algorithm; timings would be meaningless")
-        results[clip] = {}
-        for method, fn in METHODS.items():
-            results[clip][method], _ = median_ms(fn, path, args.num_frames, args.runs)
+    results = time_rounds(clips, args.num_frames, args.runs)
     short, long = list(clips)
     ref_key, kf_key = "reference (sweep + seek + decode)", "pyav_keyframes"
     header = f"{'method':36s} {'30 s 640x360 GOP 2 s':>22s} {'600 s 320x180 GOP 10 s':>24s} {'600 s vs ref':>13s}"

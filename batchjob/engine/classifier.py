@@ -27,6 +27,7 @@ from .prompt import PromptBuilder
 from .runner import encode_video, forward
 from .scheduler import Scheduler, Sequence
 from .types import ClassifyRequest, ClassifyResult, EngineConfig, EngineError
+from .video_features import VideoFeatureCache
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ class Classifier:
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(num_layers, num_blocks, config.block_size, kv_heads, head_dim, checkpoint.dtype)
         self._processor = image_processor(checkpoint.vision)
-        self.vision_calls = 0  # vision-tower runs, one per clip encoded
+        self._features = VideoFeatureCache(config.block_size)
+        self.vision_calls = 0  # vision-tower runs (each encodes one clip); the sharing tests count them
         self._call_ids = itertools.count()
 
     @classmethod
@@ -120,20 +122,27 @@ class Classifier:
             option_token_ids=self.prompts.option_token_ids(len(request.options)), share_prefix=share,
             grid_thw=grid)
 
-    def _encode_missing(self, batch, features: dict, requests: Seq[ClassifyRequest]) -> None:
-        """Run the vision tower for clips whose video tokens are computed now and are not encoded yet."""
+    def _video_rows(self, batch, requests: Seq[ClassifyRequest]) -> dict:
+        """Vision features for every clip whose video tokens are computed in this step (tower runs if needed)."""
+        rows = {}
         for item in batch:
             seq = item.seq
-            lo, hi = seq.num_computed, seq.num_computed + item.num_new
-            if seq.media_key in features or hi <= seq.video_span[0] or lo >= seq.video_span[1]:
+            start, end = seq.video_span
+            lo, hi = max(seq.num_computed, start) - start, min(seq.num_computed + item.num_new, end) - start
+            if lo >= hi:
                 continue
-            clip = requests[seq.index].clip
-            inputs = preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision, self._processor)
-            if inputs.grid_thw != seq.grid_thw:
-                raise RuntimeError(f"processor grid {inputs.grid_thw} != planned grid {seq.grid_thw} for {clip.media_id}")
-            features[seq.media_key] = encode_video(self.checkpoint.model, inputs.pixel_values, inputs.grid_thw,
-                                                   self.checkpoint.dtype)
-            self.vision_calls += 1
+            found = rows.get(seq.media_key)
+            found = found if found is not None and found.covers(lo, hi) else self._features.get(seq.media_key, lo, hi)
+            if found is None:
+                clip = requests[seq.index].clip
+                inputs = preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision, self._processor)
+                if inputs.grid_thw != seq.grid_thw:
+                    raise RuntimeError(f"processor grid {inputs.grid_thw} != planned {seq.grid_thw} for {clip.media_id}")
+                found = self._features.put_clip(seq.media_key, encode_video(
+                    self.checkpoint.model, inputs.pixel_values, inputs.grid_thw, self.checkpoint.dtype))
+                self.vision_calls += 1
+            rows[seq.media_key] = found
+        return rows
 
     # --- the loop ------------------------------------------------------------------------------------------
     def classify(self, requests: Seq[ClassifyRequest]) -> list[ClassifyResult]:
@@ -155,21 +164,22 @@ class Classifier:
                 continue
             scheduler.add(seq)
             pending[seq.media_key] = pending.get(seq.media_key, 0) + 1
-        features: dict = {}
         try:
             while scheduler.has_work():
                 batch = scheduler.schedule()
-                self._encode_missing(batch, features, requests)
-                out = forward(self.checkpoint.model, batch, self.kv_cache, self._attention, features)
+                out = forward(self.checkpoint.model, batch, self.kv_cache, self._attention,
+                              self._video_rows(batch, requests))
                 for row, slot in enumerate(out.finished_slices):
                     seq = batch[slot].seq
                     results[seq.index] = _result(requests[seq.index].request_id, seq, out.logits[row])
                 for seq in scheduler.finish_step(batch):
                     pending[seq.media_key] -= 1
-                    if pending[seq.media_key] == 0:
-                        features.pop(seq.media_key, None)  # the clip is done: drop its vision features
+                    if pending[seq.media_key] == 0:  # the clip is done: keep only what a later question needs
+                        self._features.release_clip(seq.media_key, seq.video_span, keep_tail=seq.share_prefix)
         finally:
             scheduler.abort_all()
+            for key in pending:
+                self._features.release_clip(key, (0, 0), keep_tail=False)  # after an exception: drop leftovers
         return results  # type: ignore[return-value]
 
 

@@ -9,6 +9,7 @@ from the engine and only the last position of each finishing sequence reaches th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +19,7 @@ from batchjob.metal_backend import KVCache, build_attention_metadata
 
 from .attention import AttentionContext, AttentionFn, attention_context
 from .scheduler import ScheduledSlice
+from .video_features import FeatureRows
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ def encode_video(model: nn.Module, pixel_values: np.ndarray, grid_thw: tuple[int
     return features.astype(dtype)
 
 
-def _embed(language_model, batch: list[ScheduledSlice], video_features: dict[str, mx.array]) -> mx.array:
+def _embed(language_model, batch: list[ScheduledSlice], video_features: Mapping[str, FeatureRows]) -> mx.array:
     """Token embeddings of the new tokens, with video placeholders replaced by the clip's vision features."""
     ids = np.concatenate([s.seq.token_ids[s.seq.num_computed:s.seq.num_computed + s.num_new] for s in batch])
     text = language_model.model.embed_tokens(mx.array(ids))
@@ -48,7 +50,7 @@ def _embed(language_model, batch: list[ScheduledSlice], video_features: dict[str
         if v_lo < v_hi:
             start = s.seq.video_span[0]
             pieces.append(text[flat:flat + v_lo - lo])
-            pieces.append(video_features[s.seq.media_key][v_lo - start:v_hi - start].astype(text.dtype))
+            pieces.append(video_features[s.seq.media_key].slice(v_lo - start, v_hi - start).astype(text.dtype))
             pieces.append(text[flat + v_hi - lo:flat + s.num_new])
         else:
             pieces.append(text[flat:flat + s.num_new])
@@ -62,7 +64,7 @@ def forward(
     batch: list[ScheduledSlice],
     kv_cache: KVCache,
     attention: AttentionFn,
-    video_features: dict[str, mx.array],
+    video_features: Mapping[str, FeatureRows],
 ) -> ForwardOutput:
     """Run the decoder over the packed batch, writing KV; logits only at finishing sequences' last token."""
     lm = model.language_model

@@ -7,9 +7,6 @@ delta frames, so draining is what keeps "keyframes only" literally true.
 
 from __future__ import annotations
 
-import contextlib
-
-import av
 import numpy as np
 
 from batchjob.loaders.errors import CorruptVideo
@@ -87,7 +84,7 @@ def decode_run(container, stream, kf: Keyframe, wanted_pts: set[int], label: str
     The run may cross into the next GOP: with open GOPs the pictures shown just before the next keyframe
     need it as a reference, and decoding straight through gives them exactly as a full decode does. The
     starting keyframe's own leading pictures reference the GOP before it, which this run never decoded:
-    their pictures are discarded and their decode errors forgiven.
+    they come out concealed (and flagged corrupt), but are shown before the keyframe and so never wanted.
     """
     packet, packets = _seek(container, stream, kf, label)
     codec = stream.codec_context
@@ -105,18 +102,10 @@ def decode_run(container, stream, kf: Keyframe, wanted_pts: set[int], label: str
                 return True
         return False
 
-    start_pts = packet.pts
     done = take(codec.decode(packet))
     for packet in packets:
         if done or packet.size == 0 or decoded > max_frames + MAX_REORDER:
             break
-        if start_pts is not None and packet.pts is not None and packet.pts < start_pts:
-            # A leading picture of an open GOP: it references the GOP before, which this run never decoded,
-            # and is never wanted here. It is still sent (H.264 counts it in frame numbering), and the
-            # decoder's complaint about its missing references is expected, so it is not an error.
-            with contextlib.suppress(av.InvalidDataError):
-                codec.decode(packet)
-            continue
         done = take(codec.decode(packet))
     if not done:
         take(codec.decode(None))  # end of stream: drain the pictures held for reordering

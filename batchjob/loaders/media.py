@@ -112,12 +112,23 @@ def open_video(source: Source, label: str) -> Iterator[tuple[av.container.InputC
         codec = stream.codec_context.name
         if fmt in _STILL_FORMATS or fmt.endswith("_pipe") or codec in _TEXT_CODECS:
             raise UnsupportedMedia(label, f"this is a still image or text ({fmt}/{codec}), not a video clip")
-        # Make the decoder fail on damage it detects instead of concealing it: a concealed picture is a
-        # wrong answer the pipeline cannot see, an error row is one it can.
-        stream.codec_context.options = {"err_detect": "explode"}
         yield container, stream
     finally:
         container.close()
+
+
+def prepare_keyframe_decoder(stream: av.video.stream.VideoStream) -> None:
+    """Set up the decoder for keyframes decoded one at a time (call before the first decode).
+
+    It fails on damage it detects instead of concealing it: a concealed picture is a wrong answer the
+    pipeline cannot see, an error row is one it can. (Not for forward runs: from an H.264 open-GOP
+    keyframe they meet pictures whose references precede it, which this mode rejects although a full
+    decode shows them correctly; runs rely on the per-picture corruption flag in `to_upright_rgb`.)
+    One thread: a lone intra picture gains nothing from threads, which would be started and drained per
+    keyframe, and decode actors already run one clip per core.
+    """
+    stream.codec_context.options = {"err_detect": "explode"}
+    stream.codec_context.thread_count = 1
 
 
 def is_mp4_family(container: av.container.InputContainer) -> bool:

@@ -7,6 +7,7 @@ import numpy as np
 from batchjob.loaders.decode import decode_run, read_keyframe
 from batchjob.loaders.errors import CorruptVideo, InvalidArgument
 from batchjob.loaders.keyframes import KeyframeListing
+from batchjob.loaders.media import prepare_keyframe_decoder
 from batchjob.loaders.picks import fill_targets, gop_of, keyframe_picks
 
 
@@ -27,6 +28,7 @@ def keyframe_frames(container, stream, listing: KeyframeListing, num_frames: int
                     label: str) -> tuple[list[np.ndarray], list[int]]:
     """Decode each picked keyframe once, in file order; return frames and indices in pick order."""
     picks = keyframe_picks(len(listing.keyframes), num_frames)
+    prepare_keyframe_decoder(stream)
     decoded = {p: read_keyframe(container, stream, listing.keyframes[p], label) for p in sorted(set(picks))}
     return [decoded[p][0] for p in picks], [decoded[p][2] for p in picks]
 

@@ -34,21 +34,25 @@ def check_attention_inputs(q: mx.array, k_cache: mx.array, v_cache: mx.array, me
         raise ValueError(f"paged_attention: metadata built for block_size {meta.block_size}, cache has {bs}")
 
 
-def gather_context(cache: mx.array, block_row, context_len: int) -> mx.array:
-    """Contiguous `[context_len, Hkv, D]` view of one sequence's KV, gathered through its block table.
+def gather_heads_major(cache: mx.array, tables: np.ndarray, length: int, dtype: mx.Dtype) -> mx.array:
+    """KV of sequences as contiguous `[n, Hkv, length, D]` (what SDPA wants), read through block tables.
 
-    Blocks handed out in ascending runs (the common case for a fresh pool) are sliced, not gathered: a slice
-    is a view, a gather copies the whole context.
+    `tables` is `[n, >= ceil(length / block_size)]` on the host. An ascending run of blocks (a fresh pool
+    hands them out that way) is sliced and transposed; scattered blocks are gathered row by row straight into
+    the head-major layout, one copy instead of gather-then-transpose. Either way SDPA gets a contiguous array:
+    handed a transposed view, MLX's CPU path copied K/V once per query head under GQA (64 one-token
+    queries, 2,048 context, GQA 8: 5.8 s and 2.3 GiB versus 1.0 s and 0.4 GiB).
     """
-    _, bs, hkv, d = cache.shape
-    num_blocks = -(-context_len // bs)
-    row = np.asarray(block_row[:num_blocks])
-    if num_blocks == 1 or bool(np.all(np.diff(row) == 1)):
-        first = int(row[0])
-        picked = cache[first : first + num_blocks]
-    else:
-        picked = cache[mx.array(row)]
-    return picked.reshape(num_blocks * bs, hkv, d)[:context_len]
+    nb, bs, hkv, d = cache.shape
+    n, num_blocks = tables.shape[0], -(-length // bs)
+    tables = tables[:, :num_blocks]
+    if n == 1 and (num_blocks == 1 or bool(np.all(np.diff(tables[0]) == 1))):
+        first = int(tables[0, 0])
+        kv = cache[first : first + num_blocks].reshape(1, num_blocks * bs, hkv, d)[:, :length]
+        return mx.contiguous(kv.transpose(0, 2, 1, 3).astype(dtype))
+    slots = (mx.array(tables)[:, :, None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(n, 1, -1)[:, :, :length]
+    rows = slots * hkv + mx.arange(hkv, dtype=mx.int32)[None, :, None]  # [n, Hkv, length]
+    return mx.take(cache.reshape(nb * bs * hkv, d), rows, axis=0).astype(dtype)
 
 
 def decode_groups(context_lens: Sequence[int], slack: float = 1.25) -> list[list[int]]:
@@ -79,9 +83,9 @@ def _attend_one(q, k_cache, v_cache, meta, s: int, scale: float, query_chunk: in
     `query_chunk x context` per head. MLX's lower-right "causal" alignment gives each chunk its exact offset.
     """
     start, end, ctx = int(meta.cu_seqlens_q_host[s]), int(meta.cu_seqlens_q_host[s + 1]), int(meta.context_lens_host[s])
-    row = meta.block_tables_host[s]
-    k = gather_context(k_cache, row, ctx).astype(q.dtype).transpose(1, 0, 2)[None]
-    v = gather_context(v_cache, row, ctx).astype(q.dtype).transpose(1, 0, 2)[None]
+    table = meta.block_tables_host[s : s + 1]
+    k = gather_heads_major(k_cache, table, ctx, q.dtype)
+    v = gather_heads_major(v_cache, table, ctx, q.dtype)
     offset = ctx - (end - start)
     outs = []
     for a in range(start, end, query_chunk):
@@ -96,15 +100,12 @@ def _attend_one(q, k_cache, v_cache, meta, s: int, scale: float, query_chunk: in
 
 def _attend_decode_group(q, k_cache, v_cache, meta, seqs: list[int], scale: float) -> mx.array:
     """One SDPA for several one-token sequences, keys padded to the group's longest context and masked."""
-    _, bs, hkv, d = k_cache.shape
     ctx = meta.context_lens_host[seqs]
-    num_blocks = -(-int(ctx.max()) // bs)
-    tables = mx.array(meta.block_tables_host[seqs, :num_blocks])  # [n, num_blocks]
-    n = len(seqs)
-    k = k_cache[tables].reshape(n, num_blocks * bs, hkv, d).transpose(0, 2, 1, 3).astype(q.dtype)
-    v = v_cache[tables].reshape(n, num_blocks * bs, hkv, d).transpose(0, 2, 1, 3).astype(q.dtype)
+    length = int(ctx.max())
+    k = gather_heads_major(k_cache, meta.block_tables_host[seqs], length, q.dtype)
+    v = gather_heads_major(v_cache, meta.block_tables_host[seqs], length, q.dtype)
     q_g = q[mx.array(meta.cu_seqlens_q_host[seqs])][:, :, None, :]  # [n, Hq, 1, D]
-    mask = mx.array(np.arange(num_blocks * bs)[None, :] < ctx[:, None])[:, None, None, :]
+    mask = mx.array(np.arange(length)[None, :] < ctx[:, None])[:, None, None, :]
     return mx.fast.scaled_dot_product_attention(q_g, k, v, scale=scale, mask=mask)[:, :, 0, :]
 
 

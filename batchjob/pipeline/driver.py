@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from batchjob.config import JobConfig
-from batchjob.datasets import Row
+from batchjob.pipeline.slots import DecoderSlots
 from batchjob.pipeline.work import Answer, ClipWork, result_row
 
 ENGINE_QUEUE = 2          # batches queued per engine actor
@@ -78,7 +78,7 @@ class Driver:
         t_start = time.perf_counter()
         pending: deque[ClipWork] = deque(clips)
         decoding: dict[Any, tuple[ClipWork, Any, int, float]] = {}   # status ref -> clip, frames ref, decoder, t0
-        busy_decoders: set[int] = set()
+        slots = DecoderSlots(self.decoders)
         decoded: deque[tuple[ClipWork, Any]] = deque()               # waiting for an engine
         engine_jobs: dict[Any, tuple[list[tuple[ClipWork, Any]], int]] = {}
         engine_load = [0] * len(self.engines)
@@ -88,14 +88,18 @@ class Driver:
 
         while pending or decoding or decoded or engine_jobs:
             # 1. decoders: one clip each, bounded by the clips in flight
-            for d in range(len(self.decoders)):
-                if d in busy_decoders or not pending or in_flight() >= rt.frames_in_flight:
-                    continue
+            slots.tick()
+            for d in slots.free():
+                if not pending or in_flight() >= rt.frames_in_flight:
+                    break
                 clip = pending.popleft()
                 clip.attempts += 1
                 status_ref, frames_ref = self.decoders[d].decode.options(num_returns=2).remote(clip.video)
                 decoding[status_ref] = (clip, frames_ref, d, time.monotonic())
-                busy_decoders.add(d)
+                slots.busy.add(d)
+            if pending and slots.all_dead():
+                while pending:
+                    self._emit(pending.popleft(), {}, None, "no decoder process left alive (see the Ray logs)")
             # 2. engines: full batches; a partial one only when the engine would otherwise idle
             for e in range(len(self.engines)):
                 while decoded and engine_load[e] < ENGINE_QUEUE:
@@ -105,15 +109,22 @@ class Driver:
                     batch = [decoded.popleft() for _ in range(min(rt.clips_per_batch, len(decoded)))]
                     self._submit(e, batch, engine_jobs, engine_load)
             # 3. wait for anything, then drain everything that is ready
-            refs = list(decoding) + list(engine_jobs)
+            refs = list(decoding) + list(engine_jobs) + list(slots.probes)
+            if not refs:          # only decoders waiting to be re-probed
+                time.sleep(0.1)
+                continue
             ready, _ = ray.wait(refs, num_returns=1, timeout=0.5)
             if ready:
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             for ref in ready:
                 if ref in decoding:
                     clip, frames_ref, d, _t0 = decoding.pop(ref)
-                    busy_decoders.discard(d)
-                    self._on_decoded(ref, clip, frames_ref, pending, decoded)
+                    if self._on_decoded(ref, clip, frames_ref, pending, decoded):
+                        slots.died(d)
+                    else:
+                        slots.busy.discard(d)
+                elif ref in slots.probes:
+                    slots.on_probe(ref)
                 else:
                     batch, e = engine_jobs.pop(ref)
                     engine_load[e] -= 1
@@ -129,7 +140,8 @@ class Driver:
         jobs[ref] = (batch, e)
         load[e] += 1
 
-    def _on_decoded(self, ref: Any, clip: ClipWork, frames_ref: Any, pending: deque, decoded: deque) -> None:
+    def _on_decoded(self, ref: Any, clip: ClipWork, frames_ref: Any, pending: deque, decoded: deque) -> bool:
+        """Route a decoded clip; True when the decoder's process died (the clip is retried once)."""
         import ray
 
         try:
@@ -138,16 +150,16 @@ class Driver:
                 ray.exceptions.ActorUnavailableError) as err:
             if clip.attempts < DECODE_ATTEMPTS:
                 pending.appendleft(clip)   # maybe collateral of another clip's crash, or a timeout kill
-                return
+                return True
             why = (f"decode timed out after {self.cfg.runtime.decode_timeout_s:g} s" if clip.decode.get("timed_out")
                    else f"decoder process died on this clip ({type(err).__name__})")
             clip.decode = {}
             self._emit(clip, {}, None, why)
-            return
+            return True
         except ray.exceptions.RayError as err:   # e.g. the frames could not be stored: this clip's loss only
             clip.decode = {}
             self._emit(clip, {}, None, f"decode failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
-            return
+            return False
         clip.decode = status
         self.stats.decode_busy_s += (status.get("decode_ms") or 0.0) / 1000.0
         if status.get("node"):
@@ -156,6 +168,7 @@ class Driver:
             decoded.append((clip, frames_ref))
         else:
             self._emit(clip, {}, None, status["error"])
+        return False
 
     def _on_answered(self, ref: Any, batch: list[tuple[ClipWork, Any]], decoded: deque) -> None:
         import ray

@@ -99,9 +99,10 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         try:
             model_ids = ray.get([e.ready.remote() for e in engines])
         except ray.exceptions.RayError as err:
-            cause = getattr(err, "cause", None) or err
+            # Ray wraps the actor's exception in a traceback; its last line is the engine's own message.
+            lines = [ln.strip() for ln in str(getattr(err, "cause", None) or err).splitlines() if ln.strip()]
             raise EngineStartError(f"engine {cfg.model.engine!r} could not load {cfg.model.checkpoint}: "
-                                   f"{type(cause).__name__}: {cause}") from None
+                                   f"{lines[-1] if lines else type(err).__name__}") from None
         stats.model = model_ids[0]
 
         def progress(s: RunStats) -> None:

@@ -70,6 +70,14 @@ def test_vision_runs_once_per_clip_and_prefix_is_shared(tiny_classifier, rng, ma
         assert r.cached_tokens == min(common, len(ids) - 1) // block * block
         assert r.cached_tokens >= video_end // block * block > video_start
 
+    # Later calls about the same clip (one question at a time) hit the prefix and need no vision run.
+    before = clf.vision_calls
+    for request, result in zip(requests, results):
+        again = clf.classify([request])[0]
+        assert again.cached_tokens >= video_end // block * block
+        np.testing.assert_allclose(again.probs, result.probs, rtol=0, atol=1e-5)
+    assert clf.vision_calls == before
+
     # Sharing off: the vision tower runs per request, nothing is cached, and the answers do not change.
     private = tiny_classifier("qwen2_5_vl-gqa", enable_prefix_sharing=False)
     before = private.vision_calls

@@ -35,7 +35,8 @@ def test_few_keyframes_fill_with_distinct_exact_frames(clips, expect, rng, name)
     assert [read_counter(f) for f in frames] == expected  # the encoded counter agrees, independently
 
 
-@pytest.mark.parametrize("name", ["hevc_bframes_mp4", "h264_open_gop_mp4", "mpeg4_bframes_mp4", "h264_bframes_mkv", "vp9_webm",
+@pytest.mark.parametrize("name", ["hevc_bframes_mp4", "h264_open_gop_mp4", "mpeg4_bframes_mp4", "h264_bframes_mkv",
+                                  "vp9_webm",
                                   "av1_mkv", "h264_vfr", "h264_rot90", "vp9_odd_dims", "hevc_mov"])
 def test_fill_is_pixel_exact_on_every_codec(clips, expect, name):
     """Open GOPs (HEVC, x264 open-gop), B-frames, VFR, rotation: forward-decoded frames equal a full decode."""

@@ -30,6 +30,11 @@ def prompts(draw):
     return tokens, media
 
 
+def prefix_content(tokens, media, end: int) -> tuple:
+    """What a block's KV depends on: every token up to its end and the media spans clipped to that prefix."""
+    return tuple(tokens[:end]), tuple((s, min(e, end), m) for s, e, m in media if s < end)
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Model: which tokens each live sequence holds and how far its KV is written."""
 
@@ -38,6 +43,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(num_blocks=12, block_size=BS)
         self.live: dict[int, tuple[list[int], tuple, int]] = {}  # seq -> (tokens, media, computed)
         self.writers: dict[int, int] = {}  # block -> seq that will write it (not yet committed)
+        self.content: dict[int, tuple] = {}  # block -> (prefix tokens, media in prefix) last written there
         self.next_id = 0
 
     @rule(prompt=prompts())
@@ -54,12 +60,14 @@ class PoolMachine(RuleBasedStateMachine):
             return
         assert len(got.block_table) == -(-len(tokens) // BS)
         assert got.num_cached_tokens % BS == 0 and got.num_cached_tokens <= len(tokens) - 1
-        # A hit only reuses blocks committed by a live or freed sequence with the same tokens and media.
+        # A hit only reuses blocks committed by a live or freed sequence with the same tokens and media:
+        # checked against the recorded content itself, not against the hashes.
         mine = hash_blocks(tokens, media, BS)
         for i in range(got.num_cached_tokens // BS):
             block = got.block_table[i]
             assert self.pool.is_cached(block) and block not in self.writers
-            assert self.committed(block) == mine[i]
+            assert self.content[block] == prefix_content(tokens, media, (i + 1) * BS)
+            assert self.pool.cached_hash(block) == mine[i]
         for block in got.block_table[got.num_cached_tokens // BS :]:
             assert self.pool.ref_count(block) == 1  # fresh blocks are exclusively ours
             self.writers[block] = seq
@@ -76,6 +84,7 @@ class PoolMachine(RuleBasedStateMachine):
         for i in range(n // BS):
             if self.writers.get(table[i]) == seq:
                 del self.writers[table[i]]
+                self.content[table[i]] = prefix_content(tokens, media, (i + 1) * BS)
         self.live[seq] = (tokens, media, n)
 
     @precondition(lambda self: self.live)
@@ -88,9 +97,6 @@ class PoolMachine(RuleBasedStateMachine):
         for b in table:
             if self.writers.get(b) == seq:
                 del self.writers[b]
-
-    def committed(self, block: int) -> bytes | None:
-        return self.pool.cached_hash(block)
 
     @invariant()
     def no_leak_no_double_owner(self):

@@ -92,6 +92,9 @@ def test_missing_inputs_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.checkpoint.*ckpt/tiny"):
         check_paths(cfg)
     (tmp_path / "ckpt/tiny").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"model\.checkpoint: .*ckpt/tiny has no config\.json"):
+        check_paths(cfg)      # the mlx engine reads a Hugging Face checkpoint directory
+    (tmp_path / "ckpt/tiny/config.json").write_text("{}")
     check_paths(cfg)
 
 

@@ -11,7 +11,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]   # each starts Ray (12-20 s on a busy 2-core machine)
 
 
 def start_run(h, cfg, delay: float) -> subprocess.Popen:
@@ -77,5 +77,5 @@ def test_a_crashing_decoder_costs_no_rows(tmp_path, h, synthetic, isolated_netwo
     assert proc.returncode == 0, stderr[-3000:]
     rows = h.read_rows(tmp_path / "out")
     assert sorted(r["row_id"] for r in rows) == sorted(r["id"] for r in h.manifest_records(manifest))
-    # the clip the dead decoder held was retried on the restarted decoder; at worst it is an error row
-    assert sum(1 for r in rows if r["error"]) <= 3
+    # the clip the dead decoder held is retried once the decoder answers again: no row is lost to the crash
+    assert [r["error"] for r in rows if r["error"]] == []

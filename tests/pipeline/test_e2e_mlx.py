@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]   # each starts Ray (12-20 s on a busy 2-core machine)
 
 
 def test_demo_end_to_end_matches_direct_classifier(tmp_path, h, isolated_network):

@@ -11,7 +11,7 @@ import pytest
 
 from batchjob.pipeline.output import SCHEMA
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]   # each starts Ray (12-20 s on a busy 2-core machine)
 
 
 def check_rows(h, rows, manifest, clips, num_frames, failing=()):
