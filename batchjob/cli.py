@@ -50,7 +50,7 @@ def _summary_table(stats, summary: dict | None) -> Table:
 def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool, ray_address: str | None,
          quiet: bool = False) -> None:
     from batchjob.config import ConfigError, load_config
-    from batchjob.pipeline.job import EngineStartError, run_job
+    from batchjob.pipeline.job import EngineStartError, JobTerminated, run_job
     from batchjob.pipeline.output import OutputMismatch
     from batchjob.pipeline.report import summarize
 
@@ -79,9 +79,9 @@ def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool,
     except EngineStartError as e:
         err.print(f"[bold red]engine error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, JobTerminated) as e:
         err.print("interrupted: finished rows are saved; rerun the same command to resume")
-        raise typer.Exit(130)
+        raise typer.Exit(143 if isinstance(e, JobTerminated) else 130)
     except Exception as e:  # a runtime failure at 3 a.m.: say what, keep what was written, exit 1
         err.print(f"[bold red]run failed:[/] {type(e).__name__}: {e}", highlight=False, soft_wrap=True)
         err.print("finished rows are saved; rerun the same command to resume")
@@ -127,11 +127,17 @@ def validate(config: Path = typer.Argument(..., help="job config YAML")) -> None
 
 
 @app.command()
-def report(output: Path = typer.Argument(..., help="a job's output directory"),
+def report(output: Path = typer.Argument(..., help="a job's output directory (or its config YAML)"),
            as_json: bool = typer.Option(False, "--json", help="machine-readable summary")) -> None:
     """Accuracy overall and per category, throughput and errors, from the Parquet output alone."""
+    from batchjob.config import ConfigError, load_config
     from batchjob.pipeline.report import summarize
 
+    if output.is_file() and output.suffix in (".yaml", ".yml"):
+        try:
+            output = Path(load_config(output).output.directory)
+        except ConfigError as e:
+            raise _bad_config(str(e))
     try:
         s = summarize(output)
     except FileNotFoundError as e:

@@ -20,8 +20,7 @@ for cfg in "${configs[@]}"; do
     "$BATCHJOB" run "$cfg" --quiet >>"$log" 2>&1
     rc=$?
     echo "[$(date -u +%FT%TZ)] exit $rc (0 done, 1 runtime failure or too many error rows, 2 bad config)" >>"$log"
-    out="$("$BATCHJOB" validate "$cfg" 2>/dev/null | sed -n 's/.*output \(.*\)$/\1/p')"
-    [[ -n "$out" && -d "$out" ]] && "$BATCHJOB" report "$out" >>"$log" 2>&1
+    "$BATCHJOB" report "$cfg" >>"$log" 2>&1
     (( rc > status )) && status=$rc
 done
 exit "$status"

@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--clips", type=int, default=8)
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--frames", type=int, default=16)
-    parser.add_argument("--size", type=int, nargs=2, default=(224, 224), metavar=("H", "W"))
+    parser.add_argument("--size", type=int, nargs=2, default=(336, 336), metavar=("H", "W"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
+import threading
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -17,6 +19,28 @@ from batchjob.pipeline.work import group_by_clip
 
 class EngineStartError(RuntimeError):
     """The engine could not load (bad checkpoint, memory budget...): exit 1, nothing was written."""
+
+
+class JobTerminated(Exception):
+    """SIGTERM (a cron or systemd timeout) arrived: the run unwinds, flushing finished rows and stopping Ray."""
+
+
+_terminate = threading.Event()
+
+
+def _on_sigterm(signum, frame) -> None:
+    # Only set a flag: an exception raised inside Ray's Cython calls turns into a SystemError. The
+    # driver's progress hook raises JobTerminated at the next loop turn (within ~0.5 s).
+    _terminate.set()
+
+
+def _catch_sigterm():
+    """Installed after ray.init, which sets its own SIGTERM handler (it would exit without our flush).
+    Only the main thread may set handlers; elsewhere the caller's own handling applies."""
+    _terminate.clear()
+    if threading.current_thread() is threading.main_thread():
+        return signal.signal(signal.SIGTERM, _on_sigterm)
+    return None
 
 
 def versions() -> dict[str, str]:
@@ -91,6 +115,7 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
     if not clips:
         return stats
     started = start_ray(rt.ray_address, rt.decode_actors * rt.decode_cpus + rt.engine_actors * rt.engine_cpus)
+    previous = _catch_sigterm()
     writer = PartWriter(out_dir, {**manifest, "fingerprint": fingerprint}, cfg.output.rows_per_part,
                         cfg.output.flush_seconds)
     try:
@@ -104,8 +129,12 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
             raise EngineStartError(f"engine {cfg.model.engine!r} could not load {cfg.model.checkpoint}: "
                                    f"{lines[-1] if lines else type(err).__name__}") from None
         stats.model = model_ids[0]
+        if _terminate.is_set():          # SIGTERM while the model loaded
+            raise JobTerminated()
 
         def progress(s: RunStats) -> None:
+            if _terminate.is_set():
+                raise JobTerminated()
             writer.maybe_flush()
             s.wall_s = time.perf_counter() - t0
             if on_progress:
@@ -117,4 +146,6 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         stats.wall_s = time.perf_counter() - t0
         if started:
             stop_ray()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return stats

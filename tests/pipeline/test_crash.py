@@ -79,3 +79,32 @@ def test_a_crashing_decoder_costs_no_rows(tmp_path, h, synthetic, isolated_netwo
     assert sorted(r["row_id"] for r in rows) == sorted(r["id"] for r in h.manifest_records(manifest))
     # the clip the dead decoder held is retried once the decoder answers again: no row is lost to the crash
     assert [r["error"] for r in rows if r["error"]] == []
+
+
+def test_sigterm_flushes_rows_and_stops_ray(tmp_path, h, synthetic, isolated_network):
+    """A timeout's SIGTERM ends the run cleanly: exit 143, finished rows on disk, no Ray process left behind."""
+    manifest, _ = synthetic
+    cfg = h.write_config(tmp_path / "job.yaml", manifest, output={"rows_per_part": 1000, "flush_seconds": 3600})
+    proc = start_run(h, cfg, delay=0.4)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:   # wait until the engine is answering
+        if any(open(f"/proc/{p}/cmdline", "rb").read().startswith(b"ray::EngineHost.answer")
+               for p in h.descendants(proc.pid) if os.path.exists(f"/proc/{p}/cmdline")):
+            break
+        time.sleep(0.05)
+    time.sleep(random.uniform(0.5, 1.5))
+    ray_pids = h.descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr[-3000:]
+    rows = h.read_rows(tmp_path / "out")      # buffered rows were flushed although no part was due
+    assert rows and len({r["row_id"] for r in rows}) == len(rows)
+    deadline = time.monotonic() + 20
+    alive = ray_pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if os.path.exists(f"/proc/{p}") and
+                 open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        time.sleep(0.2)
+    for p in alive:                          # clean up before failing
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"Ray processes left running after SIGTERM: {alive}"

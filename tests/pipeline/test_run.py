@@ -63,6 +63,7 @@ def test_run_report_resume_and_fingerprint(tmp_path, h, synthetic, isolated_netw
     assert s["loaders"] == ["pyav_keyframes"] and s["models"] == ["deterministic-test"] and s["rows_per_s"] > 0
     human = h.run_cli("report", str(out))
     assert f"{s['accuracy']:.4f}" in human.stdout
+    assert json.loads(h.run_cli("report", str(cfg), "--json").stdout) == s     # the config names the output too
 
     again = h.run_cli("run", str(cfg))          # complete: nothing to do, nothing duplicated
     assert again.returncode == 0, again.stderr[-2000:]
