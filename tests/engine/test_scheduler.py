@@ -18,7 +18,9 @@ def _workload(rng, num_clips: int, questions: int, block_size: int):
     for c in range(num_clips):
         video = int(rng.integers(1, 6 * block_size))
         for q in range(questions):
-            tail = rng.integers(10, 50, int(rng.integers(1, 30))).tolist()
+            # a per-question first token: tails drawn from one range could otherwise start alike
+            # and share more than the system text + video, which the sharing test pins exactly
+            tail = [60 + q] + rng.integers(10, 50, int(rng.integers(0, 30))).tolist()
             ids = np.array(system + [VIDEO] * video + tail)
             span = (len(system), len(system) + video)
             seqs.append(Sequence(index=len(seqs), seq_id=f"s{len(seqs)}", media_key=f"clip{c}", token_ids=ids,
