@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from batchjob.config import JobConfig
 from batchjob.pipeline.slots import DecoderSlots
-from batchjob.pipeline.work import Answer, ClipWork, result_row
+from batchjob.pipeline.work import Answer, ClipWork, result_row, take_batch
 
 ENGINE_QUEUE = 2          # batches queued per engine actor
 DECODE_ATTEMPTS = 2       # a clip whose decoder process died is retried once, on a restarted decoder
@@ -106,7 +106,7 @@ class Driver:
                     more_coming = bool(pending or decoding)
                     if len(decoded) < rt.clips_per_batch and more_coming and engine_load[e] > 0:
                         break
-                    batch = [decoded.popleft() for _ in range(min(rt.clips_per_batch, len(decoded)))]
+                    batch = take_batch(decoded, rt.clips_per_batch)
                     self._submit(e, batch, engine_jobs, engine_load)
             # 3. wait for anything, then drain everything that is ready
             refs = list(decoding) + list(engine_jobs) + list(slots.probes)
@@ -179,6 +179,7 @@ class Driver:
             if len(batch) > 1:
                 # Find the culprit: retry each clip alone (the frames are still in the object store).
                 for item in reversed(batch):
+                    item[0].solo = True
                     decoded.appendleft(item)
                 return
             clip, _ = batch[0]

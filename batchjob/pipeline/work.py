@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
+from collections import deque
 from typing import Any, Sequence
 
 from batchjob.datasets import Row
@@ -31,9 +32,24 @@ class ClipWork:
     rows: list[Row]
     attempts: int = 0                      # decode attempts (an actor crash retries once)
     decode: dict[str, Any] = field(default_factory=dict)   # status from the decode actor
+    solo: bool = False                     # its multi-clip engine batch failed: retry it alone to find the culprit
 
     def questions(self) -> list[tuple[str, str, tuple[str, ...]]]:
         return [(r.row_id, r.question, r.options) for r in self.rows]
+
+
+def take_batch(decoded: deque, clips_per_batch: int) -> list:
+    """The next engine batch from the front of `decoded` (pairs whose first item is a ClipWork).
+
+    Up to `clips_per_batch` clips, so their questions pack into one call; but a clip marked solo (its
+    multi-clip batch failed) goes alone and no batch takes one along, so a clip that always makes the
+    engine fail is isolated instead of resubmitted with the same companions forever.
+    """
+    batch = [decoded.popleft()]
+    while (not batch[0][0].solo and len(batch) < clips_per_batch and decoded
+           and not decoded[0][0].solo):
+        batch.append(decoded.popleft())
+    return batch
 
 
 def media_id(video: str, loader: str, num_frames: int, loader_kwargs: dict[str, Any]) -> str:
