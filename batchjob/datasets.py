@@ -82,7 +82,10 @@ def load_nextqa(cfg: DatasetConfig) -> list[Row]:
     for i, rec in enumerate(_read_table(path)):
         where = f"{path}: record {i}"
         _need(rec, ["video", "qid", "question", "a0", "a1", "a2", "a3", "a4", "answer"], where)
-        answer = int(rec["answer"])
+        try:
+            answer = int(rec["answer"])
+        except (TypeError, ValueError):
+            raise DatasetError(f"{where}: answer {rec['answer']!r} is not an option index 0..4") from None
         if not 0 <= answer <= 4:
             raise DatasetError(f"{where}: answer {rec['answer']!r} is not an option index 0..4")
         rows.append(Row(
@@ -179,7 +182,10 @@ def load_manifest(cfg: DatasetConfig) -> list[Row]:
         _need(rec, ["id", "video", "question", "options"], where)
         opts = rec["options"]
         if isinstance(opts, str):
-            opts = json.loads(opts) if opts.strip().startswith("[") else opts.split("|")
+            try:
+                opts = json.loads(opts) if opts.strip().startswith("[") else opts.split("|")
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{where}: options look like a JSON array but do not parse: {err}") from None
         if not isinstance(opts, list) or len(opts) < 2:
             raise DatasetError(f"{where}: options must be a list of at least 2 strings, got {rec['options']!r}")
         options = tuple(str(o).strip() for o in opts)

@@ -62,6 +62,11 @@ def test_nextqa_errors(tmp_path):
     pq.write_table(pa.Table.from_pylist([{k: v for k, v in r.items() if k != "a3"} for r in recs]), ann)
     with pytest.raises(DatasetError, match=r"record 0: missing field\(s\) a3"):
         load_rows(DatasetConfig(adapter="nextqa", annotation=str(ann)))
+    bad = [{**r, "answer": str(r["answer"])} for r in recs]   # a string column, as a CSV export gives
+    bad[1]["answer"] = "B"
+    pq.write_table(pa.Table.from_pylist(bad), ann)
+    with pytest.raises(DatasetError, match=r"record 1: answer 'B' is not an option index"):
+        load_rows(DatasetConfig(adapter="nextqa", annotation=str(ann)))
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     with pytest.raises(DatasetError, match="junk.parquet: cannot read"):
         load_rows(DatasetConfig(adapter="nextqa", annotation=str(tmp_path / "junk.parquet")))
@@ -128,6 +133,7 @@ def test_manifest_jsonl_and_csv(tmp_path):
     (['{"id": 1, "video": "a.mp4", "options": ["x", "y"]}'], r"line 1: missing field\(s\) question"),
     (['{"id": 1, "video": "a.mp4", "question": "q", "options": ["x", "y"], "answer": "C"}'], "answer 'C'"),
     (['{"id": 1, "video": "a.mp4", "question": "q", "options": ["x", "y"]}', "{oops"], "line 2: not valid JSON"),
+    (['{"id": 1, "video": "a.mp4", "question": "q", "options": "[x, y"}'], "line 1: options look like a JSON array"),
     ([], "no questions"),
 ])
 def test_manifest_errors_name_the_line(tmp_path, lines, match):
