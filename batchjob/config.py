@@ -11,14 +11,22 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(Exception):
     """A config problem the user fixes by editing the YAML (the CLI exits with code 2)."""
+
+
+def _int_to_float(v: Any) -> Any:
+    # YAML writes `8` for 8.0; strict mode would reject it, which helps nobody.
+    return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+Float = Annotated[float, BeforeValidator(_int_to_float)]
 
 
 class _Section(BaseModel):
@@ -43,13 +51,7 @@ class ModelConfig(_Section):
     max_pixels: int | None = Field(None, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=16)
     max_model_len: int = Field(32768, ge=16)
-    memory_budget_gb: float | None = Field(None, gt=0)
-
-    @field_validator("memory_budget_gb", mode="before")
-    @classmethod
-    def _int_is_a_float(cls, v: Any) -> Any:
-        # YAML writes `8` for 8.0; strict mode would reject it, which helps nobody.
-        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    memory_budget_gb: Float | None = Field(None, gt=0)
 
 
 class LoaderConfig(_Section):
@@ -83,30 +85,20 @@ class PromptConfig(_Section):
 class RuntimeConfig(_Section):
     decode_actors: int = Field(2, ge=1)
     engine_actors: int = Field(1, ge=1)
-    decode_cpus: float = Field(1.0, gt=0)
-    engine_cpus: float = Field(1.0, gt=0, description="also the engine's BLAS threads: Ray sets OMP_NUM_THREADS "
+    decode_cpus: Float = Field(1.0, gt=0)
+    engine_cpus: Float = Field(1.0, gt=0, description="also the engine's BLAS threads: Ray sets OMP_NUM_THREADS "
                                "to an actor's CPU count, so give a CPU engine the cores it should use")
     frames_in_flight: int = Field(8, ge=1, description="clips decoded or being classified at once (memory bound)")
     clips_per_batch: int = Field(4, ge=1, description="clips handed to the engine per call (packing width)")
-    decode_timeout_s: float = Field(120.0, gt=0, description="a decode taking longer costs the clip an error row")
+    decode_timeout_s: Float = Field(120.0, gt=0, description="a decode taking longer costs the clip an error row")
     ray_address: str | None = Field(None, description="join this Ray cluster; None = private local Ray on 127.0.0.1")
-    max_error_fraction: float = Field(0.05, ge=0, le=1, description="exit 1 when more rows than this fail")
-
-    @field_validator("decode_cpus", "engine_cpus", "decode_timeout_s", "max_error_fraction", mode="before")
-    @classmethod
-    def _int_is_a_float(cls, v: Any) -> Any:
-        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    max_error_fraction: Float = Field(0.05, ge=0, le=1, description="exit 1 when more rows than this fail")
 
 
 class OutputConfig(_Section):
     directory: str
     rows_per_part: int = Field(512, ge=1)
-    flush_seconds: float = Field(30.0, gt=0, description="a part is written at least this often while rows arrive")
-
-    @field_validator("flush_seconds", mode="before")
-    @classmethod
-    def _int_is_a_float(cls, v: Any) -> Any:
-        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    flush_seconds: Float = Field(30.0, gt=0, description="a part is written at least this often while rows arrive")
 
 
 class JobConfig(_Section):

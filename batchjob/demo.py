@@ -53,17 +53,25 @@ def build_clips(root: Path, num_clips: int) -> list[dict]:
     return records
 
 
-def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 12) -> Path:
-    """Build (or reuse) the demo assets and return the path of the demo's job config."""
+def ensure_tiny_checkpoint(model: Path) -> Path:
+    """Build the default tiny checkpoint at `model` unless a complete one is there already.
+
+    A half-written checkpoint from an interrupted build has no `.complete` marker and is rebuilt.
+    """
     from batchjob.synthetic.tiny_model import write_tiny_checkpoint
 
-    root = demo_dir(cache)
-    root.mkdir(parents=True, exist_ok=True)
-    model = root / "model"
-    if not (model / ".complete").exists():   # a half-written checkpoint from an interrupted demo is rebuilt
+    if not (model / ".complete").exists():
         shutil.rmtree(model, ignore_errors=True)
         write_tiny_checkpoint(model)
         (model / ".complete").touch()
+    return model
+
+
+def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 12) -> Path:
+    """Build (or reuse) the demo assets and return the path of the demo's job config."""
+    root = demo_dir(cache)
+    root.mkdir(parents=True, exist_ok=True)
+    ensure_tiny_checkpoint(root / "model")
     records = build_clips(root / "clips", num_clips)
     (root / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     config = root / "demo.yaml"

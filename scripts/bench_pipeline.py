@@ -28,14 +28,9 @@ import yaml
 
 
 def build_assets(cache: Path, clips: int, seed: int) -> tuple[Path, Path]:
-    from batchjob.demo import build_synthetic_dataset
-    from batchjob.synthetic.tiny_model import write_tiny_checkpoint
+    from batchjob.demo import build_synthetic_dataset, ensure_tiny_checkpoint
 
-    model = cache / "model"
-    if not (model / ".complete").exists():
-        shutil.rmtree(model, ignore_errors=True)
-        write_tiny_checkpoint(model)
-        (model / ".complete").touch()
+    model = ensure_tiny_checkpoint(cache / "model")
     data = cache / f"data-{clips}-{seed}"
     if not (data / ".complete").exists():
         print(f"encoding {clips} synthetic clips into {data} ...", flush=True)

@@ -131,8 +131,7 @@ class Classifier:
             lo, hi = max(seq.num_computed, start) - start, min(seq.num_computed + item.num_new, end) - start
             if lo >= hi:
                 continue
-            found = rows.get(seq.media_key)
-            found = found if found is not None and found.covers(lo, hi) else self._features.get(seq.media_key, lo, hi)
+            found = self._features.get(seq.media_key, lo, hi)   # a clip encoded earlier in this step is there too
             if found is None:
                 clip = requests[seq.index].clip
                 inputs = preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision, self._processor)

@@ -68,8 +68,9 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._leaders: dict[str, Sequence] = {}  # media_key -> sequence computing that clip's prefix
-        self._prefix_ready: set[str] = set()  # media keys whose prefix blocks some sequence has committed
+        # media_key -> the clip's first admitted sequence, which computes its shared prefix; kept for the
+        # scheduler's life (one classify call): once `prefix_done`, the clip's followers are unblocked
+        self._leaders: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -109,8 +110,7 @@ class Scheduler:
             seq.block_table, seq.num_cached = alloc.block_table, alloc.num_cached_tokens
             seq.num_computed = alloc.num_cached_tokens
             self.running.append(seq)
-            if seq.media_key not in self._prefix_ready and seq.media_key not in self._leaders:
-                self._leaders[seq.media_key] = seq
+            self._leaders.setdefault(seq.media_key, seq)
             take = min(seq.remaining, budget)
             batch.append(ScheduledSlice(seq, take))
             budget -= take
@@ -129,10 +129,6 @@ class Scheduler:
         for seq in finished:
             self.running.remove(seq)
             self.pool.free(seq.seq_id)
-        for key, leader in list(self._leaders.items()):
-            if leader.prefix_done:
-                del self._leaders[key]
-                self._prefix_ready.add(key)
         return finished
 
     def abort_all(self) -> None:
@@ -142,4 +138,3 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self._leaders.clear()
-        self._prefix_ready.clear()

@@ -178,7 +178,7 @@ class BlockPool:
                 break
             hits.append(block)
         need = self.blocks_needed(n) - len(hits)
-        available = len(self._free) + len(self._evictable) - sum(1 for b in hits if self._ref[b] == 0)
+        available = self.num_free_blocks - sum(1 for b in hits if self._ref[b] == 0)
         if need > available:
             raise PoolExhaustedError(
                 f"KV pool exhausted: sequence {seq_id!r} ({n} tokens) needs {need} new blocks of "

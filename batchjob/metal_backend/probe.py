@@ -60,23 +60,22 @@ def make_ragged_batch(
         tables.append([int(b) for b in perm[used : used + n]])
         used += n
 
-    def rounded(shape, scale=1.0):
-        a = mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+    def rounded(values: np.ndarray):
+        """Device copy in `dtype` and the float64 host copy of exactly what the device holds."""
+        a = mx.array(values.astype(np.float32)).astype(dtype)
         return a, np.array(a.astype(mx.float32)).astype(np.float64)
 
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_dev, k_all = rounded(shape, 1.0)
-    v_dev, v_all = rounded(shape, 1.0)
-    for b in perm[used:]:  # spare blocks: garbage that would dominate any wrongly included score
-        k_all[b] = 30.0
-        v_all[b] = 1e3
-    k_dev = mx.array(k_all.astype(np.float32)).astype(dtype)
-    v_dev = mx.array(v_all.astype(np.float32)).astype(dtype)
+    k_values, v_values = rng.standard_normal(shape), rng.standard_normal(shape)
+    spare = perm[used:]  # spare blocks: garbage that would dominate any wrongly included score
+    k_values[spare], v_values[spare] = 30.0, 1e3   # exact in every dtype, so rounding once is the same
+    k_dev, k_all = rounded(k_values)
+    v_dev, v_all = rounded(v_values)
     k_seqs, v_seqs = [], []
     for table, c in zip(tables, ctx):
         k_seqs.append(k_all[table].reshape(-1, num_kv_heads, head_dim)[:c])
         v_seqs.append(v_all[table].reshape(-1, num_kv_heads, head_dim)[:c])
-    q_dev, q_host = rounded((int(sum(q_lens)), num_q_heads, head_dim))
+    q_dev, q_host = rounded(rng.standard_normal((int(sum(q_lens)), num_q_heads, head_dim)))
     slices = [SeqSlice(t, int(c), int(q)) for t, c, q in zip(tables, cached_lens, q_lens)]
     meta = build_attention_metadata(slices, block_size)
     return RaggedBatch(q_dev, k_dev, v_dev, meta, q_host, k_seqs, v_seqs, list(map(int, q_lens)), ctx)

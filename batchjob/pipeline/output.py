@@ -12,7 +12,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -77,14 +77,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write through a temporary name, fsync, rename, fsync the directory: a crash never leaves a torn file."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
-        fh.write(data)
+        write(fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda fh: fh.write(data))
 
 
 def complete_parts(directory: Path) -> list[Path]:
@@ -143,7 +148,6 @@ class PartWriter:
         self._next = max(existing, default=-1) + 1
         self._buffer: list[dict[str, Any]] = []
         self._last_write = time.monotonic()
-        self.rows_written = 0
 
     def add(self, rows: list[dict[str, Any]]) -> None:
         self._buffer.extend(rows)
@@ -158,16 +162,8 @@ class PartWriter:
         while self._buffer:
             chunk, self._buffer = self._buffer[: self.rows_per_part], self._buffer[self.rows_per_part:]
             table = pa.Table.from_pylist(chunk, schema=SCHEMA).replace_schema_metadata(self._meta)
-            final = self.directory / f"part-{self._next:05d}.parquet"
-            tmp = final.with_name(final.name + ".tmp")
-            with open(tmp, "wb") as fh:
-                pq.write_table(table, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
-            _fsync_dir(self.directory)
+            atomic_write(self.directory / f"part-{self._next:05d}.parquet", lambda fh: pq.write_table(table, fh))
             self._next += 1
-            self.rows_written += len(chunk)
         self._last_write = time.monotonic()
 
 
