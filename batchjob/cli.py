@@ -48,7 +48,7 @@ def _summary_table(stats, summary: dict | None) -> Table:
 
 
 def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool, ray_address: str | None,
-         quiet: bool = False) -> None:
+         quiet: bool = False, stats_json: Path | None = None) -> None:
     from batchjob.config import ConfigError, load_config
     from batchjob.pipeline.job import EngineStartError, JobTerminated, run_job
     from batchjob.pipeline.output import OutputMismatch
@@ -92,6 +92,8 @@ def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool,
         summary = None
     if not quiet:
         out.print(_summary_table(stats, summary))
+    if stats_json:
+        stats_json.write_text(json.dumps(stats.as_dict(), indent=1) + "\n")
     frac = stats.error_rows / stats.done_rows if stats.done_rows else 0.0
     if frac > cfg.runtime.max_error_fraction:
         err.print(f"[bold red]{stats.error_rows} of {stats.done_rows} rows failed ({frac:.1%}), above "
@@ -105,9 +107,12 @@ def run(config: Path = typer.Argument(..., help="job config YAML"),
         output: Optional[Path] = typer.Option(None, help="output directory (overrides output.directory)"),
         restart: bool = typer.Option(False, help="discard existing results in the output directory"),
         ray_address: Optional[str] = typer.Option(None, help="join this Ray cluster (host:port)"),
-        quiet: bool = typer.Option(False, help="no progress bar or summary")) -> None:
+        quiet: bool = typer.Option(False, help="no progress bar or summary"),
+        stats_json: Optional[Path] = typer.Option(None, help="also write this run's statistics (rows, errors, "
+                                                             "stage busy times) to this JSON file")) -> None:
     """Run a job, or resume it: rows already in the output are skipped."""
-    _run(config, limit=limit, output=output, restart=restart, ray_address=ray_address, quiet=quiet)
+    _run(config, limit=limit, output=output, restart=restart, ray_address=ray_address, quiet=quiet,
+         stats_json=stats_json)
 
 
 @app.command()

@@ -86,8 +86,8 @@ class RuntimeConfig(_Section):
     decode_actors: int = Field(2, ge=1)
     engine_actors: int = Field(1, ge=1)
     decode_cpus: Float = Field(1.0, gt=0)
-    engine_cpus: Float = Field(1.0, gt=0, description="also the engine's BLAS threads: Ray sets OMP_NUM_THREADS "
-                               "to an actor's CPU count, so give a CPU engine the cores it should use")
+    engine_cpus: Float = Field(1.0, gt=0, description="also the engine's BLAS threads (at least 1): give a CPU "
+                               "engine the cores it should use beside the decoders")
     frames_in_flight: int = Field(8, ge=1, description="clips decoded or being classified at once (memory bound)")
     clips_per_batch: int = Field(4, ge=1, description="clips handed to the engine per call (packing width)")
     decode_timeout_s: Float = Field(120.0, gt=0, description="a decode taking longer costs the clip an error row")

@@ -5,6 +5,8 @@ about decoded clips with one forward pass each; see classifier.py for the loop a
 """
 
 from .classifier import Classifier
+from .preprocess import VideoInputs, VisionSettings, load_vision_settings, preprocess_video
 from .types import ClassifyRequest, ClassifyResult, Clip, EngineConfig, EngineError
 
-__all__ = ["Classifier", "ClassifyRequest", "ClassifyResult", "Clip", "EngineConfig", "EngineError"]
+__all__ = ["Classifier", "ClassifyRequest", "ClassifyResult", "Clip", "EngineConfig", "EngineError", "VideoInputs",
+           "VisionSettings", "load_vision_settings", "preprocess_video"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 from typing import Sequence as Seq
 
@@ -22,7 +21,7 @@ from batchjob.metal_backend import (BlockPool, KVCache, KVCacheBudgetError, page
 from .attention import install_paged_attention
 from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .mrope import mrope_positions, placeholder_runs, video_temporal_interval
-from .preprocess import check_frames, image_processor, preprocess_video, sampling_fps
+from .preprocess import check_frames, check_prepared, image_processor, plan_video, preprocess_video
 from .prompt import PromptBuilder
 from .runner import encode_video, forward
 from .scheduler import Scheduler, Sequence
@@ -52,12 +51,6 @@ def _select_attention(config: EngineConfig, dtype: mx.Dtype):
         raise EngineError(f"EngineConfig.attention_backend='metal' but the kernels are unusable: {backend.reason}; "
                           "use attention_backend='auto' to fall back to the portable path")
     return backend.name, backend
-
-
-def _smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    return smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 class Classifier:
@@ -99,28 +92,27 @@ class Classifier:
 
     # --- request preparation ---------------------------------------------------------------------------
     def _prepare(self, index: int, request: ClassifyRequest, call_id: int) -> Sequence:
-        frames, vision = request.clip.frames, self.checkpoint.vision
-        check_frames(frames)
-        factor = vision.patch_size * vision.merge_size
-        height, width = _smart_resize(frames.shape[1], frames.shape[2], factor, vision.min_pixels, vision.max_pixels)
-        grid = (math.ceil(len(frames) / vision.temporal_patch_size), height // vision.patch_size,
-                width // vision.patch_size)
-        num_video = grid[0] * grid[1] * grid[2] // vision.merge_size**2
-        ids = self.prompts.token_ids(request.question, request.options, num_video)
+        clip, vision = request.clip, self.checkpoint.vision
+        if clip.inputs is not None:
+            check_prepared(clip.inputs, vision)
+            plan = clip.inputs
+        else:
+            check_frames(clip.frames)
+            plan = plan_video(clip.frames.shape, clip.metadata, vision)
+        ids = self.prompts.token_ids(request.question, request.options, plan.num_tokens)
         if len(ids) > self.config.max_model_len:
             raise ValueError(
-                f"prompt is {len(ids)} tokens ({num_video} for the video), longer than max_model_len "
+                f"prompt is {len(ids)} tokens ({plan.num_tokens} for the video), longer than max_model_len "
                 f"{self.config.max_model_len}; use fewer frames or a lower max_pixels, or raise max_model_len")
-        spg = vision.temporal_patch_size / sampling_fps(request.clip.metadata)
-        interval = video_temporal_interval(self.checkpoint.tokens_per_second, spg)
-        positions = mrope_positions(ids, self.checkpoint.video_token_id, [grid], [interval], vision.merge_size)
+        interval = video_temporal_interval(self.checkpoint.tokens_per_second, plan.second_per_grid_t)
+        positions = mrope_positions(ids, self.checkpoint.video_token_id, [plan.grid_thw], [interval], vision.merge_size)
         share = self.config.enable_prefix_sharing
         return Sequence(
             index=index, seq_id=f"{call_id}:{index}",
             media_key=request.clip.media_id if share else f"{request.clip.media_id}#{call_id}:{index}",
             token_ids=ids, positions=positions, video_span=placeholder_runs(ids, self.checkpoint.video_token_id)[0],
             option_token_ids=self.prompts.option_token_ids(len(request.options)), share_prefix=share,
-            grid_thw=grid)
+            grid_thw=plan.grid_thw)
 
     def _video_rows(self, batch, requests: Seq[ClassifyRequest]) -> dict:
         """Vision features for every clip whose video tokens are computed in this step (tower runs if needed)."""
@@ -134,7 +126,8 @@ class Classifier:
             found = self._features.get(seq.media_key, lo, hi)   # a clip encoded earlier in this step is there too
             if found is None:
                 clip = requests[seq.index].clip
-                inputs = preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision, self._processor)
+                inputs = clip.inputs or preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision,
+                                                         self._processor)
                 if inputs.grid_thw != seq.grid_thw:
                     raise RuntimeError(f"processor grid {inputs.grid_thw} != planned {seq.grid_thw} for {clip.media_id}")
                 found = self._features.put_clip(seq.media_key, encode_video(

@@ -10,6 +10,7 @@ short last group is padded by repeating the last frame.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,13 +36,24 @@ class VisionSettings:
 
 
 @dataclass(frozen=True)
-class VideoInputs:
-    """One clip ready for the vision tower."""
+class VideoPlan:
+    """What the prompt needs to know about a clip before any pixel is processed."""
 
-    pixel_values: np.ndarray  # float32 [grid_t * grid_h * grid_w, C * temporal_patch * patch * patch]
     grid_thw: tuple[int, int, int]  # in patches, before the spatial merge
     second_per_grid_t: float  # seconds covered by one temporal patch (drives temporal M-RoPE positions)
     num_tokens: int  # video placeholder tokens in the prompt: grid_t * grid_h * grid_w / merge**2
+
+
+@dataclass(frozen=True)
+class VideoInputs(VideoPlan):
+    """One clip ready for the vision tower, and the settings it was made with.
+
+    Made wherever there is CPU to spare (the pipeline's decode workers make it, so the engine's process
+    only runs the model); the engine accepts it only when `settings` equal its checkpoint's own.
+    """
+
+    pixel_values: np.ndarray  # float32 [grid_t * grid_h * grid_w, C * temporal_patch * patch * patch]
+    settings: VisionSettings
 
 
 def _pixel_bounds(config: dict) -> tuple[int | None, int | None]:
@@ -113,9 +125,35 @@ def check_frames(frames: np.ndarray) -> None:
         raise ValueError(f"clip frames must be uint8 RGB, got dtype {frames.dtype}")
 
 
+def plan_video(shape: tuple[int, ...], metadata: dict, settings: VisionSettings) -> VideoPlan:
+    """Grid, token count and temporal step for `T` frames of `H x W` (`shape` = frames.shape)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    t, h, w = (int(v) for v in shape[:3])
+    p, merge, tp = settings.patch_size, settings.merge_size, settings.temporal_patch_size
+    height, width = smart_resize(h, w, factor=p * merge, min_pixels=settings.min_pixels,
+                                 max_pixels=settings.max_pixels)
+    grid = (math.ceil(t / tp), height // p, width // p)
+    return VideoPlan(grid_thw=grid, second_per_grid_t=tp / sampling_fps(metadata),
+                     num_tokens=grid[0] * grid[1] * grid[2] // merge**2)
+
+
+def check_prepared(inputs: VideoInputs, settings: VisionSettings) -> None:
+    """ValueError (a per-request error) unless `inputs` were made for this checkpoint's processor settings."""
+    if inputs.settings != settings:
+        raise ValueError(f"clip inputs were prepared with processor settings {inputs.settings}, but this checkpoint "
+                         f"uses {settings}; prepare them with the engine's own settings (or pass frames)")
+    gt, gh, gw = inputs.grid_thw
+    width = 3 * settings.temporal_patch_size * settings.patch_size**2
+    if getattr(inputs.pixel_values, "shape", None) != (gt * gh * gw, width):
+        raise ValueError(f"clip inputs: pixel_values shape {getattr(inputs.pixel_values, 'shape', None)} does not "
+                         f"match grid {inputs.grid_thw} ({gt * gh * gw} patches x {width})")
+
+
 def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSettings, processor=None) -> VideoInputs:
     """Pixel values and grid for one clip (see the module docstring for the method)."""
     check_frames(frames)
+    plan = plan_video(frames.shape, metadata, settings)
     tp = settings.temporal_patch_size
     pad = (-len(frames)) % tp
     if pad:
@@ -124,6 +162,9 @@ def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSetting
     out = processor(list(frames), return_tensors="np")
     grids = out["image_grid_thw"]
     _, gh, gw = (int(v) for v in grids[0])
+    if (gh, gw) != plan.grid_thw[1:]:
+        raise RuntimeError(f"the image processor made a {gh}x{gw} grid where smart_resize planned "
+                           f"{plan.grid_thw[1:]}; transformers' Qwen2-VL processor changed")
     per_frame = np.asarray(out["pixel_values"], dtype=np.float32)
     c, p = 3, settings.patch_size
     n = gh * gw
@@ -131,9 +172,5 @@ def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSetting
     per_frame = per_frame.reshape(len(frames), n, c, tp, p, p)[:, :, :, 0]
     gt = len(frames) // tp
     pixel_values = per_frame.reshape(gt, tp, n, c, p, p).transpose(0, 2, 3, 1, 4, 5).reshape(gt * n, c * tp * p * p)
-    return VideoInputs(
-        pixel_values=np.ascontiguousarray(pixel_values),
-        grid_thw=(gt, gh, gw),
-        second_per_grid_t=tp / sampling_fps(metadata),
-        num_tokens=gt * n // settings.merge_size**2,
-    )
+    return VideoInputs(grid_thw=plan.grid_thw, second_per_grid_t=plan.second_per_grid_t, num_tokens=plan.num_tokens,
+                       pixel_values=np.ascontiguousarray(pixel_values), settings=settings)

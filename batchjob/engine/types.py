@@ -6,8 +6,12 @@ Kept free of MLX so the pipeline can build requests and read results without tou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # preprocess imports EngineError from here
+    from .preprocess import VideoInputs
 
 DEFAULT_PROMPT_TEMPLATE = (
     "{question}\n{options}\nAnswer with the option's letter from the given choices directly."
@@ -23,12 +27,15 @@ class Clip:
     """One decoded video: frames from `batchjob.loaders.load_video` and the loader's metadata.
 
     `media_id` keys prefix sharing: two clips with the same media_id must hold the same frames, because the
-    KV blocks computed for one are reused for the other.
+    KV blocks computed for one are reused for the other. `inputs` (from `preprocess_video` with the
+    checkpoint's `VisionSettings`) may replace the frames: the CPU-heavy resize and patchify then happen
+    wherever the caller made them, e.g. in a decode worker, and `frames` may be None.
     """
 
-    frames: np.ndarray  # uint8 [T, H, W, 3] RGB
+    frames: np.ndarray | None  # uint8 [T, H, W, 3] RGB
     metadata: dict
     media_id: str
+    inputs: VideoInputs | None = None
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class RunStats:
     error_rows: int = 0
     wall_s: float = 0.0          # whole run: Ray start-up and model load included
     stream_s: float = 0.0        # the streaming phase only (first decode submitted to last row written)
-    decode_busy_s: float = 0.0   # summed over decoders
+    decode_busy_s: float = 0.0   # summed over decoders (decode plus input preparation)
     engine_busy_s: float = 0.0   # summed over engines
     decoders: int = 0
     engines: int = 0
@@ -39,6 +39,12 @@ class RunStats:
     @property
     def rows_per_s(self) -> float:
         return self.done_rows / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values for `batchjob run --stats-json` (monitoring, benchmarks)."""
+        out = {k: v for k, v in vars(self).items() if k != "decode_nodes"}
+        return {**out, "decode_nodes": sorted(self.decode_nodes), "rows_per_s": self.rows_per_s,
+                "overlap_efficiency": self.overlap_efficiency if self.done_rows else None}
 
     @property
     def overlap_efficiency(self) -> float:
@@ -161,7 +167,7 @@ class Driver:
             self._emit(clip, {}, None, f"decode failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
             return False
         clip.decode = status
-        self.stats.decode_busy_s += (status.get("decode_ms") or 0.0) / 1000.0
+        self.stats.decode_busy_s += (status.get("busy_ms") or status.get("decode_ms") or 0.0) / 1000.0
         if status.get("node"):
             self.stats.decode_nodes.add(status["node"])
         if status["ok"]:

@@ -5,6 +5,10 @@ site can bring its own engine (e.g. vLLM on NVIDIA servers) without patching bat
 (ModelConfig, PromptConfig) and returns an object with `model_id: str` and
 `answer(clips) -> list[Answer]`, where each clip is `(frames, metadata, media_id, questions)` and each
 question is `(row_id, question, options)`.
+
+A factory may also offer `clip_preparer(model) -> callable | None`: a picklable `(frames, metadata) -> payload`
+that decode workers apply before shipping, so the CPU-heavy part of input preparation runs in parallel
+across decoders instead of serially in the engine's process; the payload then replaces the frames.
 """
 from __future__ import annotations
 
@@ -26,8 +30,58 @@ class Engine(Protocol):
     def answer(self, clips: Sequence[ClipQuestions]) -> list[Answer]: ...
 
 
+class MlxClipPreparer:
+    """Resize + normalize + patchify a clip (the checkpoint's own processor) inside a decode worker.
+
+    In the engine's process this took about half of the engine's time per clip on the tiny benchmark model
+    (28 ms of preprocessing against 15 ms of vision tower); in the decoders it runs beside other clips.
+    """
+
+    def __init__(self, settings):
+        self.settings = settings
+        self._processor = None
+
+    def warm_up(self) -> None:
+        """Import transformers and build the processor now (at actor start, beside the model load)."""
+        from batchjob.engine.process_setup import keep_torch_out
+        from batchjob.engine.preprocess import image_processor
+
+        keep_torch_out()
+        self._processor = image_processor(self.settings)
+
+    def __call__(self, frames: np.ndarray, metadata: dict):
+        from batchjob.engine.preprocess import preprocess_video
+
+        if self._processor is None:
+            self.warm_up()
+        return preprocess_video(frames, metadata, self.settings, self._processor)
+
+    def __getstate__(self) -> dict:
+        return {"settings": self.settings, "_processor": None}   # the processor is rebuilt where it runs
+
+
 class MlxEngine:
     """batchjob's own MLX classifier (Apple GPU, or CPU elsewhere)."""
+
+    runs_without_torch = True   # its actor hides torch from transformers (see batchjob.engine.process_setup)
+
+    @staticmethod
+    def clip_preparer(model: ModelConfig) -> MlxClipPreparer | None:
+        """Decoder-side preparation from the checkpoint's processor settings; None (the engine prepares
+        clips itself) when the checkpoint is a hub id not on disk yet or its settings are unreadable: the
+        engine's own load then reports the problem."""
+        from pathlib import Path
+
+        from batchjob.engine.preprocess import load_vision_settings
+        from batchjob.engine.types import EngineError
+
+        path = Path(model.checkpoint).expanduser()
+        if not path.is_dir():
+            return None
+        try:
+            return MlxClipPreparer(load_vision_settings(path, model.min_pixels, model.max_pixels))
+        except EngineError:
+            return None
 
     def __init__(self, model: ModelConfig, prompt: PromptConfig):
         from batchjob.engine import Classifier, EngineConfig
@@ -43,10 +97,15 @@ class MlxEngine:
         self.model_id = self._clf.model_id
 
     def answer(self, clips: Sequence[ClipQuestions]) -> list[Answer]:
-        from batchjob.engine import ClassifyRequest, Clip
+        from batchjob.engine import ClassifyRequest, Clip, VideoInputs
 
-        requests = [ClassifyRequest(row_id, Clip(frames, meta, media_id), question, tuple(options))
-                    for frames, meta, media_id, questions in clips
+        def clip(payload, meta: dict, media_id: str) -> Clip:
+            if isinstance(payload, VideoInputs):
+                return Clip(None, meta, media_id, inputs=payload)
+            return Clip(payload, meta, media_id)
+
+        requests = [ClassifyRequest(row_id, clip(payload, meta, media_id), question, tuple(options))
+                    for payload, meta, media_id, questions in clips
                     for row_id, question, options in questions]
         results = self._clf.classify(requests)
         return [Answer(r.request_id, r.choice, list(r.probs), r.prompt_tokens, r.cached_tokens, r.error)
@@ -68,6 +127,12 @@ def resolve_engine(name: str) -> Callable[[ModelConfig, PromptConfig], Engine]:
             raise ConfigError(f"model.engine: cannot import plugin engine {name!r}: {err}") from None
     raise ConfigError(f"model.engine: unknown engine {name!r}; valid: {', '.join(sorted(ENGINES))} "
                       "or a plugin 'package.module:factory'")
+
+
+def clip_preparer(model: ModelConfig) -> Callable[[np.ndarray, dict], Any] | None:
+    """The engine's decoder-side preparation for this model, if it offers one."""
+    offer = getattr(resolve_engine(model.engine), "clip_preparer", None)
+    return offer(model) if offer else None
 
 
 def timed_answer(engine: Engine, clips: Sequence[ClipQuestions]) -> tuple[list[Answer], float]:

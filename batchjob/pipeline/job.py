@@ -101,6 +101,7 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
     import ray
 
     from batchjob.pipeline.actors import make_decoders, make_engines
+    from batchjob.pipeline.engines import clip_preparer
     from batchjob.pipeline.ray_runtime import start_ray, stop_ray
 
     out_dir, fingerprint = Path(cfg.output.directory), cfg.fingerprint()
@@ -120,7 +121,7 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
                         cfg.output.flush_seconds)
     try:
         engines = make_engines(rt.engine_actors, rt.engine_cpus, cfg.model, cfg.prompt)
-        decoders = make_decoders(rt.decode_actors, rt.decode_cpus, loader, n, kw)
+        decoders = make_decoders(rt.decode_actors, rt.decode_cpus, loader, n, kw, clip_preparer(cfg.model))
         try:
             model_ids = ray.get([e.ready.remote() for e in engines])
         except ray.exceptions.RayError as err:

@@ -176,3 +176,28 @@ def test_budget_and_labels_fail_at_start(checkpoint_dir):
             Classifier.from_pretrained(path, EngineConfig(attention_backend="metal", memory_budget_gb=1.0))
         auto = Classifier.from_pretrained(path, EngineConfig(memory_budget_gb=1.0, max_model_len=1024))
         assert auto.attention_backend == "portable"
+
+
+def test_prepared_inputs_answer_like_frames(tiny_classifier, rng, make_clip, make_request):
+    """Inputs prepared outside the engine (as the pipeline's decoders do) give the frames' answers; inputs
+    made with other processor settings are a per-request error, not a silently different answer."""
+    from batchjob.engine import preprocess_video
+    from batchjob.engine.preprocess import VisionSettings
+
+    clf = tiny_classifier("qwen2_5_vl-gqa")
+    clip = make_clip(rng, f"prep-{uuid.uuid4().hex}", num_frames=int(rng.integers(1, 6)))
+    requests = [make_request(rng, f"f{i}", clip) for i in range(2)]
+    from_frames = clf.classify(requests)
+    inputs = preprocess_video(clip.frames, clip.metadata, clf.checkpoint.vision)
+    prepared = Clip(None, clip.metadata, f"prep-{uuid.uuid4().hex}", inputs=inputs)
+    before = clf.vision_calls
+    from_inputs = clf.classify([_with_clip(r, prepared) for r in requests])
+    assert clf.vision_calls - before == 1
+    for a, b in zip(from_frames, from_inputs):
+        assert b.error is None and a.choice == b.choice and a.prompt_tokens == b.prompt_tokens
+        np.testing.assert_allclose(a.probs, b.probs, rtol=0, atol=1e-6)
+
+    v = clf.checkpoint.vision
+    other = preprocess_video(clip.frames, clip.metadata, VisionSettings(v.min_pixels, v.max_pixels * 2))
+    [bad] = clf.classify([_with_clip(requests[0], Clip(None, clip.metadata, "other-settings", inputs=other))])
+    assert bad.choice is None and "prepared with processor settings" in bad.error

@@ -91,3 +91,32 @@ def test_vision_settings_from_checkpoint_and_overrides(tmp_path):
     assert (s.min_pixels, s.max_pixels) == (200, 7000)
     with pytest.raises(EngineError, match="inverted"):
         load_vision_settings(tmp_path, 8000, None)
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_plan_matches_what_preprocessing_makes(trial, rng):
+    """The prompt is planned from the frame shape alone; the processor must then make exactly that grid."""
+    from batchjob.engine.preprocess import plan_video
+
+    settings = VisionSettings(min_pixels=28 * 28 * int(rng.integers(1, 5)), max_pixels=28 * 28 * int(rng.integers(5, 40)))
+    shape = (int(rng.integers(1, 6)), int(rng.integers(28, 300)), int(rng.integers(28, 300)), 3)
+    meta = {"fps": 25.0, "frames_indices": sorted(rng.integers(0, 500, shape[0]).tolist())}
+    plan = plan_video(shape, meta, settings)
+    out = preprocess_video(rng.integers(0, 256, shape, dtype=np.uint8), meta, settings)
+    assert (out.grid_thw, out.num_tokens, out.second_per_grid_t) == (plan.grid_thw, plan.num_tokens,
+                                                                     plan.second_per_grid_t)
+    assert out.pixel_values.shape == (np.prod(plan.grid_thw), 3 * 2 * 14 * 14) and out.settings == settings
+
+
+def test_prepared_inputs_are_checked_against_the_settings(rng):
+    import dataclasses
+
+    from batchjob.engine.preprocess import check_prepared
+
+    settings = VisionSettings(min_pixels=784, max_pixels=784 * 8)
+    out = preprocess_video(rng.integers(0, 256, (3, 60, 90, 3), dtype=np.uint8), {"fps": 30.0}, settings)
+    check_prepared(out, settings)
+    with pytest.raises(ValueError, match="prepared with processor settings"):
+        check_prepared(out, dataclasses.replace(settings, max_pixels=784 * 9))
+    with pytest.raises(ValueError, match="does not match grid"):
+        check_prepared(dataclasses.replace(out, pixel_values=out.pixel_values[1:]), settings)

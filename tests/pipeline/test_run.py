@@ -40,11 +40,15 @@ def check_rows(h, rows, manifest, clips, num_frames, failing=()):
 def test_run_report_resume_and_fingerprint(tmp_path, h, synthetic, isolated_network):
     manifest, clips = synthetic
     cfg = h.write_config(tmp_path / "job.yaml", manifest)
-    res = h.run_cli("run", str(cfg))
+    res = h.run_cli("run", str(cfg), "--stats-json", str(tmp_path / "stats.json"))
     assert res.returncode == 0, res.stderr[-3000:]
     out = tmp_path / "out"
     rows = h.read_rows(out)
     check_rows(h, rows, manifest, clips, 4)
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["done_rows"] == stats["total_rows"] == len(rows) and stats["error_rows"] == 0
+    assert 0 < stats["stream_s"] < stats["wall_s"] and stats["decode_busy_s"] > 0 and stats["engine_busy_s"] >= 0
+    assert stats["model"] == "deterministic-test" and stats["rows_per_s"] == pytest.approx(len(rows) / stats["wall_s"])
     for part in out.glob("part-*.parquet"):
         pf = pq.ParquetFile(part)
         assert pf.schema_arrow.remove_metadata().equals(SCHEMA)
