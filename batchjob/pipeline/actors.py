@@ -46,10 +46,15 @@ class Decoder:
         self.loader, self.num_frames, self.kwargs = loader, num_frames, dict(loader_kwargs)
         self.node = _node_id()
         self.prepare = prepare
-        if prepare is not None and hasattr(prepare, "warm_up"):
+        if prepare is not None:
             try:
-                prepare.warm_up()
-            except Exception as err:   # e.g. transformers missing on this node: ship frames, the engine prepares
+                if getattr(prepare, "runs_without_torch", False):
+                    from batchjob.engine.process_setup import keep_torch_out
+
+                    keep_torch_out()
+                if hasattr(prepare, "warm_up"):
+                    prepare.warm_up()
+            except Exception as err:   # e.g. MLX missing on this node: ship frames, the engine prepares
                 log.warning("decoder on %s: input preparation unavailable (%s: %s); sending frames",
                             self.node, type(err).__name__, err)
                 self.prepare = None
