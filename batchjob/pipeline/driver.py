@@ -2,8 +2,8 @@
 
 Each decoder gets one clip at a time (so a decode timeout is measured from when it really started),
 decoded clips wait in a queue bounded by `frames_in_flight`, and each engine keeps up to two batches
-queued so it never idles while the driver assembles the next one. Frames move decoder -> engine as
-ObjectRefs; the driver only sees small status dicts and answers.
+queued so it never idles while the driver assembles the next one. Frames (or the engine's prepared
+input) move decoder -> engine as ObjectRefs; the driver only sees small status dicts and answers.
 """
 from __future__ import annotations
 
