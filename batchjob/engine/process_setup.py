@@ -27,8 +27,9 @@ def keep_torch_out() -> bool:
     return True
 
 
-def set_blas_threads(threads: int) -> int | None:
-    """Cap the preloaded OpenBLAS's thread pool; returns the new count, None when no OpenBLAS is loaded.
+def set_blas_threads(cpus: float) -> int | None:
+    """Cap the preloaded OpenBLAS's pool at `cpus` threads (whole, at least 1); returns the new count, None
+    when no OpenBLAS is loaded.
 
     OpenBLAS sizes its pool from the environment when the library loads, at process start, so Ray's
     per-actor OMP_NUM_THREADS arrives too late (measured: 2 threads in a 1-CPU actor on a 2-core box).
@@ -39,5 +40,5 @@ def set_blas_threads(threads: int) -> int | None:
         setter, getter = lib.openblas_set_num_threads, lib.openblas_get_num_threads
     except (OSError, AttributeError):
         return None
-    setter(max(1, int(threads)))
+    setter(max(1, int(cpus)))
     return int(getter())

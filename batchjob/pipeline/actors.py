@@ -2,8 +2,9 @@
 
 A decoder returns two objects: a small status (for the driver) and the frames, or the engine's prepared
 input when the engine offers a preparer (for the engine), so they travel from the decoder's process to
-the engine's through Ray's object store without passing through the driver. A decoder never raises for a bad clip; it reports the error in the status. A
-decoder whose process dies (a crashing codec) is restarted by Ray and the driver retries the clip.
+the engine's through Ray's object store without passing through the driver. A decoder never raises for a
+bad clip; it reports the error in the status. A decoder whose process dies (a crashing codec) is
+restarted by Ray and the driver retries the clip.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class EngineHost:
         factory = resolve_engine(model.engine)
         if getattr(factory, "runs_without_torch", False):
             keep_torch_out()
-        set_blas_threads(max(1, int(cpus)))   # the CPUs Ray reserved for this actor, no more
+        set_blas_threads(cpus)   # the CPUs Ray reserved for this actor, no more
         self.engine = factory(model, prompt)
 
     def ready(self) -> str:

@@ -167,7 +167,7 @@ class Driver:
             self._emit(clip, {}, None, f"decode failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
             return False
         clip.decode = status
-        self.stats.decode_busy_s += (status.get("busy_ms") or status.get("decode_ms") or 0.0) / 1000.0
+        self.stats.decode_busy_s += status.get("busy_ms", 0.0) / 1000.0
         if status.get("node"):
             self.stats.decode_nodes.add(status["node"])
         if status["ok"]:
