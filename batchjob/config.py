@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from batchjob.contract import MAX_OPTIONS
 
 
 class ConfigError(Exception):
@@ -42,6 +44,17 @@ class DatasetConfig(_Section):
     options: dict[str, Any] = Field(default_factory=dict, description="adapter-specific settings")
 
 
+class VllmConfig(_Section):
+    """`model.vllm:` settings read only by `engine: vllm` (vLLM's own names and defaults)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: Float = Field(0.9, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=16, description="None = the checkpoint's own context length")
+    enforce_eager: bool = Field(False, description="skip CUDA graph capture (faster start, slower steps)")
+    max_videos_per_prompt: int = Field(1, ge=1, description="vLLM's limit_mm_per_prompt for video")
+    max_num_seqs: int | None = Field(None, ge=1, description="None = vLLM's default")
+    seed: int = 0
+
+
 class ModelConfig(_Section):
     checkpoint: str = Field(description="Hugging Face-format checkpoint directory, or a hub id (org/name) "
                             "when no such directory exists; write ./org/name to insist on a path")
@@ -56,6 +69,20 @@ class ModelConfig(_Section):
         "nominal", description="video frame rate behind the temporal position step: nominal = n / total_frames * "
         "fps (the convention the model was trained with, as transformers and vLLM compute it); actual = the mean "
         "spacing of the frames the loader picked")
+    vllm: VllmConfig | None = Field(None, description="settings for engine: vllm (dtype is model.dtype)")
+
+    @model_validator(mode="after")
+    def _engine_settings_agree(self) -> "ModelConfig":
+        # The checks the engines themselves make at load, made here so a bad value names its key up front.
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
+        if self.vllm is not None and self.engine != "vllm":
+            raise ValueError(f"the vllm: section is read only by engine: vllm, but engine is {self.engine!r}; "
+                             "remove it or set engine: vllm")
+        if self.engine == "vllm" and self.memory_budget_gb is not None:
+            raise ValueError("memory_budget_gb is read only by engine: mlx; with engine: vllm set "
+                             "vllm.gpu_memory_utilization")
+        return self
 
 
 class LoaderConfig(_Section):
@@ -67,7 +94,8 @@ class LoaderConfig(_Section):
 class PromptConfig(_Section):
     template: str | None = Field(None, description="None = the engine's default; must contain {question} and {options}")
     system: str | None = None
-    option_labels: list[str] = Field(default_factory=lambda: ["A", "B", "C", "D", "E"], min_length=2)
+    option_labels: list[str] = Field(default_factory=lambda: ["A", "B", "C", "D", "E"], min_length=2,
+                                     max_length=MAX_OPTIONS)
 
     @field_validator("template")
     @classmethod

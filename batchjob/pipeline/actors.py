@@ -1,20 +1,23 @@
 """Ray actors: decoders (CPU, one process each) and engines (the model, loaded once per actor).
 
-A decoder returns two objects: a small status (for the driver) and the frames, or the engine's prepared
-input when the engine offers a preparer (for the engine), so they travel from the decoder's process to
-the engine's through Ray's object store without passing through the driver. A decoder never raises for a
-bad clip; it reports the error in the status. A decoder whose process dies (a crashing codec) is
-restarted by Ray and the driver retries the clip.
+A decoder returns two objects: a small `DecodeStatus` (for the driver) and the frames, or the engine's
+prepared input when the engine offers an input preparer (for the engine), so they travel from the decoder's
+process to the engine's through Ray's object store without passing through the driver. A decoder never
+raises for a bad clip; it reports the error in the status. A decoder whose process dies (a crashing codec)
+is restarted by Ray and the driver retries the clip. Neither actor imports an engine's framework until it
+runs: the engine actor imports the configured engine's module, the decoder only what its preparer needs.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from batchjob.config import ModelConfig, PromptConfig
+from batchjob.contract import BatchAnswers, ClipMetadata, DecodeStatus, EngineClip, EngineDescription, InputPreparer
 
 log = logging.getLogger(__name__)
 
@@ -25,22 +28,11 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def _plain(value: Any) -> Any:
-    """Metadata as plain Python values, so the status stays small and engine-agnostic."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 class Decoder:
-    """Decodes one clip per call; with the engine's `prepare`, also turns the frames into its input."""
+    """Decodes one clip per call; with the engine's input preparer, also turns the frames into its input."""
 
     def __init__(self, loader: str, num_frames: int, loader_kwargs: dict[str, Any],
-                 prepare: Callable[[np.ndarray, dict], Any] | None = None):
+                 prepare: InputPreparer | None = None, hide_torch: bool = False):
         from batchjob.loaders import load_video  # imported here: registers the loaders in this process
 
         self._load = load_video
@@ -49,12 +41,11 @@ class Decoder:
         self.prepare = prepare
         if prepare is not None:
             try:
-                if getattr(prepare, "runs_without_torch", False):
+                if hide_torch:
                     from batchjob.engine.process_setup import keep_torch_out
 
                     keep_torch_out()
-                if hasattr(prepare, "warm_up"):
-                    prepare.warm_up()
+                prepare.warm_up()
             except Exception as err:   # e.g. MLX missing on this node: ship frames, the engine prepares
                 log.warning("decoder on %s: input preparation unavailable (%s: %s); sending frames",
                             self.node, type(err).__name__, err)
@@ -63,7 +54,7 @@ class Decoder:
     def node_id(self) -> str:
         return self.node
 
-    def decode(self, video: str) -> tuple[dict[str, Any], Any]:
+    def decode(self, video: str) -> tuple[DecodeStatus, Any]:
         """(status, payload): the payload is the frames, or the engine's prepared input; None on failure."""
         t0 = time.perf_counter()
         try:
@@ -71,20 +62,19 @@ class Decoder:
         except Exception as err:  # LoaderError by contract; anything else is a loader bug, still one clip's loss
             return self._failed(f"decode failed: {type(err).__name__}: {err}", t0), None
         decode_ms = (time.perf_counter() - t0) * 1000.0
-        meta = {k: _plain(v) for k, v in meta.items()}
+        metadata = ClipMetadata.from_loader(meta)
         payload: Any = np.ascontiguousarray(frames)
         if self.prepare is not None:
             try:
-                payload = self.prepare(payload, meta)
+                payload = self.prepare(payload, metadata)
             except Exception as err:  # e.g. an aspect ratio the processor refuses: this clip's loss only
                 return self._failed(f"preparing the frames failed: {type(err).__name__}: {err}", t0), None
-        return ({"ok": True, "error": None, "decode_ms": decode_ms,
-                 "busy_ms": (time.perf_counter() - t0) * 1000.0, "node": self.node, "metadata": meta,
-                 "frames_indices": [int(i) for i in meta.get("frames_indices", [])]}, payload)
+        return DecodeStatus(node=self.node, decode_ms=decode_ms, busy_ms=(time.perf_counter() - t0) * 1000.0,
+                            metadata=metadata), payload
 
-    def _failed(self, error: str, t0: float) -> dict[str, Any]:
+    def _failed(self, error: str, t0: float) -> DecodeStatus:
         ms = (time.perf_counter() - t0) * 1000.0
-        return {"ok": False, "error": error, "decode_ms": ms, "busy_ms": ms, "node": self.node}
+        return DecodeStatus(node=self.node, decode_ms=ms, busy_ms=ms, error=error)
 
 
 class EngineHost:
@@ -94,37 +84,32 @@ class EngineHost:
         from batchjob.engine.process_setup import keep_torch_out, set_blas_threads
         from batchjob.pipeline.engines import resolve_engine
 
-        factory = resolve_engine(model.engine)
-        if getattr(factory, "runs_without_torch", False):
+        engine_cls = resolve_engine(model.engine)
+        if engine_cls.hides_torch:
             keep_torch_out()
         set_blas_threads(cpus)   # the CPUs Ray reserved for this actor, no more
-        self.engine = factory(model, prompt)
+        self.engine = engine_cls.load(model, prompt)
 
-    def ready(self) -> str:
-        return self.engine.model_id
+    def describe(self) -> EngineDescription:
+        return self.engine.describe()
 
-    def answer(self, specs: Sequence[tuple[dict, str, Sequence[tuple[str, str, tuple[str, ...]]]]],
-               *frames: np.ndarray) -> tuple[list[tuple], float]:
-        """specs[i] = (metadata, media_id, questions) of the clip whose frames are frames[i].
-
-        Frames arrive as top-level arguments so Ray resolves them here, in the engine's process.
-        """
-        from batchjob.pipeline.engines import timed_answer
-
-        clips = [(f, meta, mid, qs) for f, (meta, mid, qs) in zip(frames, specs)]
-        answers, ms = timed_answer(self.engine, clips)
-        return [(a.row_id, a.choice, a.probs, a.prompt_tokens, a.cached_tokens, a.error) for a in answers], ms
+    def answer(self, clips: Sequence[EngineClip], *payloads: Any) -> BatchAnswers:
+        """clips[i] is answered from payloads[i]; payloads arrive as top-level arguments so Ray resolves
+        them here, in the engine's process."""
+        t0 = time.perf_counter()
+        answers = self.engine.answer([dataclasses.replace(c, payload=p) for c, p in zip(clips, payloads)])
+        return BatchAnswers(tuple(answers), (time.perf_counter() - t0) * 1000.0)
 
 
 def make_decoders(n: int, cpus: float, loader: str, num_frames: int, kwargs: dict[str, Any],
-                  prepare: Callable[[np.ndarray, dict], Any] | None = None) -> list:
+                  prepare: InputPreparer | None = None, hide_torch: bool = False) -> list:
     import ray
 
     # SPREAD: on a cluster, decoders land on different nodes (that is the point of scaling out).
     # max_restarts=-1: a decoder killed by a crashing codec comes back; its clip is retried once.
     cls = ray.remote(Decoder).options(num_cpus=cpus, max_restarts=-1, max_task_retries=0,
                                       scheduling_strategy="SPREAD")
-    return [cls.remote(loader, num_frames, kwargs, prepare) for _ in range(n)]
+    return [cls.remote(loader, num_frames, kwargs, prepare, hide_torch) for _ in range(n)]
 
 
 def make_engines(n: int, cpus: float, model: ModelConfig, prompt: PromptConfig) -> list:

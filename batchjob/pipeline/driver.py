@@ -3,7 +3,8 @@
 Each decoder gets one clip at a time (so a decode timeout is measured from when it really started),
 decoded clips wait in a queue bounded by `frames_in_flight`, and each engine keeps up to two batches
 queued so it never idles while the driver assembles the next one. Frames (or the engine's prepared
-input) move decoder -> engine as ObjectRefs; the driver only sees small status dicts and answers.
+input) move decoder -> engine as ObjectRefs; the driver only sees decode statuses and answers (the frozen
+dataclasses of `batchjob.contract`). It reaches the actors through `Workers`, so tests run it without Ray.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from batchjob.config import JobConfig
+from batchjob.contract import Answer, BatchAnswers, DecodeStatus, EngineClip
 from batchjob.pipeline.slots import DecoderSlots
-from batchjob.pipeline.work import Answer, ClipWork, result_row, take_batch
+from batchjob.pipeline.work import ClipWork, result_row, take_batch
+from batchjob.pipeline.workers import TaskFailed, WorkerLost, Workers
 
 ENGINE_QUEUE = 2          # batches queued per engine actor
 DECODE_ATTEMPTS = 2       # a clip whose decoder process died is retried once, on a restarted decoder
@@ -54,10 +57,10 @@ class RunStats:
 
 
 class Driver:
-    def __init__(self, cfg: JobConfig, decoders: list, engines: list, model_id: str,
+    def __init__(self, cfg: JobConfig, workers: Workers, model_id: str,
                  write: Callable[[list[dict[str, Any]]], None], stats: RunStats,
                  on_progress: Callable[[RunStats], None] | None = None, run_started_at: datetime | None = None):
-        self.cfg, self.decoders, self.engines, self.model_id = cfg, decoders, engines, model_id
+        self.cfg, self.workers, self.model_id = cfg, workers, model_id
         self.write, self.stats, self.on_progress = write, stats, on_progress
         self.run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         # The run's start, for throughput in reports: the caller passes when the job began (Ray start-up
@@ -68,7 +71,7 @@ class Driver:
     def _emit(self, clip: ClipWork, answers: dict[str, Answer], engine_ms: float | None, error: str | None) -> None:
         now = datetime.now(timezone.utc)
         rows = [result_row(r, answers.get(r.row_id), labels=self.cfg.prompt.option_labels,
-                           loader=self.cfg.loader.name, num_frames=self.cfg.loader.num_frames, decode=clip.decode,
+                           loader=self.cfg.loader.name, num_frames=self.cfg.loader.num_frames, decode=clip.status,
                            engine_ms=engine_ms, model=self.model_id, run_id=self.run_id,
                            run_started_at=self.run_started_at, finished_at=now, error=error)
                 for r in clip.rows]
@@ -78,16 +81,14 @@ class Driver:
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self, clips: list[ClipWork]) -> None:
-        import ray
-
-        rt = self.cfg.runtime
+        rt, workers = self.cfg.runtime, self.workers
         t_start = time.perf_counter()
         pending: deque[ClipWork] = deque(clips)
-        decoding: dict[Any, tuple[ClipWork, Any, int, float]] = {}   # status ref -> clip, frames ref, decoder, t0
-        slots = DecoderSlots(self.decoders)
+        decoding: dict[Any, tuple[ClipWork, Any, int, float]] = {}   # status ticket -> clip, payload, decoder, t0
+        slots = DecoderSlots(workers)
         decoded: deque[tuple[ClipWork, Any]] = deque()               # waiting for an engine
         engine_jobs: dict[Any, tuple[list[tuple[ClipWork, Any]], int]] = {}
-        engine_load = [0] * len(self.engines)
+        engine_load = [0] * workers.num_engines
 
         def in_flight() -> int:
             return len(decoding) + len(decoded) + sum(len(b) for b, _ in engine_jobs.values())
@@ -100,14 +101,14 @@ class Driver:
                     break
                 clip = pending.popleft()
                 clip.attempts += 1
-                status_ref, frames_ref = self.decoders[d].decode.options(num_returns=2).remote(clip.video)
-                decoding[status_ref] = (clip, frames_ref, d, time.monotonic())
+                status_ticket, payload = workers.decode(d, clip.video)
+                decoding[status_ticket] = (clip, payload, d, time.monotonic())
                 slots.busy.add(d)
             if pending and slots.all_dead():
                 while pending:
                     self._emit(pending.popleft(), {}, None, "no decoder process left alive (see the Ray logs)")
             # 2. engines: full batches; a partial one only when the engine would otherwise idle
-            for e in range(len(self.engines)):
+            for e in range(workers.num_engines):
                 while decoded and engine_load[e] < ENGINE_QUEUE:
                     more_coming = bool(pending or decoding)
                     if len(decoded) < rt.clips_per_batch and more_coming and engine_load[e] > 0:
@@ -115,73 +116,65 @@ class Driver:
                     batch = take_batch(decoded, rt.clips_per_batch)
                     self._submit(e, batch, engine_jobs, engine_load)
             # 3. wait for anything, then drain everything that is ready
-            refs = list(decoding) + list(engine_jobs) + list(slots.probes)
-            if not refs:          # only decoders waiting to be re-probed
+            tickets = list(decoding) + list(engine_jobs) + list(slots.probes)
+            if not tickets:          # only decoders waiting to be re-probed
                 time.sleep(0.1)
                 continue
-            ready, _ = ray.wait(refs, num_returns=1, timeout=0.5)
-            if ready:
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            for ref in ready:
-                if ref in decoding:
-                    clip, frames_ref, d, _t0 = decoding.pop(ref)
-                    if self._on_decoded(ref, clip, frames_ref, pending, decoded):
+            for ticket in workers.wait(tickets, timeout=0.5):
+                if ticket in decoding:
+                    clip, payload, d, _t0 = decoding.pop(ticket)
+                    if self._on_decoded(ticket, clip, payload, pending, decoded):
                         slots.died(d)
                     else:
                         slots.busy.discard(d)
-                elif ref in slots.probes:
-                    slots.on_probe(ref)
+                elif ticket in slots.probes:
+                    slots.on_probe(ticket)
                 else:
-                    batch, e = engine_jobs.pop(ref)
+                    batch, e = engine_jobs.pop(ticket)
                     engine_load[e] -= 1
-                    self._on_answered(ref, batch, decoded)
+                    self._on_answered(ticket, batch, decoded)
             self._kill_stuck_decoders(decoding)
             self.stats.stream_s = time.perf_counter() - t_start
             if self.on_progress:
                 self.on_progress(self.stats)
 
     def _submit(self, e: int, batch: list[tuple[ClipWork, Any]], jobs: dict, load: list[int]) -> None:
-        specs = [(c.decode.get("metadata", {}), c.media_id, c.questions()) for c, _ in batch]
-        ref = self.engines[e].answer.remote(specs, *[f for _, f in batch])
-        jobs[ref] = (batch, e)
+        clips = [EngineClip(c.job, c.status.metadata) for c, _ in batch]
+        ticket = self.workers.answer(e, clips, [p for _, p in batch])
+        jobs[ticket] = (batch, e)
         load[e] += 1
 
-    def _on_decoded(self, ref: Any, clip: ClipWork, frames_ref: Any, pending: deque, decoded: deque) -> bool:
+    def _on_decoded(self, ticket: Any, clip: ClipWork, payload: Any, pending: deque, decoded: deque) -> bool:
         """Route a decoded clip; True when the decoder's process died (the clip is retried once)."""
-        import ray
-
         try:
-            status = ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
-                ray.exceptions.ActorUnavailableError) as err:
+            status: DecodeStatus = self.workers.result(ticket)
+        except WorkerLost as err:
             if clip.attempts < DECODE_ATTEMPTS:
                 pending.appendleft(clip)   # maybe collateral of another clip's crash, or a timeout kill
                 return True
-            why = (f"decode timed out after {self.cfg.runtime.decode_timeout_s:g} s" if clip.decode.get("timed_out")
-                   else f"decoder process died on this clip ({type(err).__name__})")
-            clip.decode = {}
+            why = (f"decode timed out after {self.cfg.runtime.decode_timeout_s:g} s" if clip.timed_out
+                   else f"decoder process died on this clip ({err})")
+            clip.status = None
             self._emit(clip, {}, None, why)
             return True
-        except ray.exceptions.RayError as err:   # e.g. the frames could not be stored: this clip's loss only
-            clip.decode = {}
-            self._emit(clip, {}, None, f"decode failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
+        except TaskFailed as err:   # e.g. the frames could not be stored: this clip's loss only
+            clip.status = None
+            self._emit(clip, {}, None, f"decode failed: {err}")
             return False
-        clip.decode = status
-        self.stats.decode_busy_s += status.get("busy_ms", 0.0) / 1000.0
-        if status.get("node"):
-            self.stats.decode_nodes.add(status["node"])
-        if status["ok"]:
-            decoded.append((clip, frames_ref))
+        clip.status = status
+        self.stats.decode_busy_s += status.busy_ms / 1000.0
+        if status.node:
+            self.stats.decode_nodes.add(status.node)
+        if status.ok:
+            decoded.append((clip, payload))
         else:
-            self._emit(clip, {}, None, status["error"])
+            self._emit(clip, {}, None, status.error)
         return False
 
-    def _on_answered(self, ref: Any, batch: list[tuple[ClipWork, Any]], decoded: deque) -> None:
-        import ray
-
+    def _on_answered(self, ticket: Any, batch: list[tuple[ClipWork, Any]], decoded: deque) -> None:
         try:
-            raw, engine_ms = ray.get(ref)
-        except ray.exceptions.RayError as err:
+            result: BatchAnswers = self.workers.result(ticket)
+        except (TaskFailed, WorkerLost) as err:
             if len(batch) > 1:
                 # Find the culprit: retry each clip alone (the frames are still in the object store).
                 for item in reversed(batch):
@@ -189,23 +182,21 @@ class Driver:
                     decoded.appendleft(item)
                 return
             clip, _ = batch[0]
-            cause = getattr(err, "cause", None) or err
-            self._emit(clip, {}, None, f"engine failed: {type(cause).__name__}: {str(cause).splitlines()[0][:300]}")
+            why = str(err) if isinstance(err, TaskFailed) else f"engine process died ({err})"
+            self._emit(clip, {}, None, f"engine failed: {why}")
             return
-        self.stats.engine_busy_s += engine_ms / 1000.0
-        answers = {a[0]: Answer(*a) for a in raw}
+        self.stats.engine_busy_s += result.engine_ms / 1000.0
+        answers = {a.row_id: a for a in result.answers}
         for clip, _ in batch:
-            self._emit(clip, answers, engine_ms, None)
+            self._emit(clip, answers, result.engine_ms, None)
 
     def _kill_stuck_decoders(self, decoding: dict) -> None:
         """A decode past the timeout: kill its decoder (Ray restarts it); the clip is retried, then an error row."""
-        import ray
-
         limit = self.cfg.runtime.decode_timeout_s
         now = time.monotonic()
-        for ref, (clip, _f, d, t0) in list(decoding.items()):
+        for ticket, (clip, payload, d, t0) in list(decoding.items()):
             if now - t0 > limit:
                 clip.attempts = max(clip.attempts, DECODE_ATTEMPTS)   # a clip that hangs once will hang again
-                clip.decode = {"timed_out": True}
-                ray.kill(self.decoders[d], no_restart=False)
-                decoding[ref] = (clip, _f, d, float("inf"))       # kill once; the ref then fails
+                clip.timed_out = True
+                self.workers.kill_decoder(d)
+                decoding[ticket] = (clip, payload, d, float("inf"))   # kill once; the ticket then fails

@@ -1,142 +1,42 @@
 """Engine registry: the seam between the pipeline and whatever answers the questions.
 
-`model.engine` names a registered engine ("mlx") or a plugin given as `package.module:factory`, so a
-site can bring its own engine (e.g. vLLM on NVIDIA servers) without patching batchjob. A factory takes
-(ModelConfig, PromptConfig) and returns an object with `model_id: str` and
-`answer(clips) -> list[Answer]`, where each clip is `(frames, metadata, media_id, questions)` and each
-question is `(row_id, question, options)`.
-
-A factory may also offer `clip_preparer(model) -> callable | None`: a picklable `(frames, metadata) -> payload`
-that decode workers apply before shipping, so the CPU-heavy part of input preparation runs in parallel
-across decoders instead of serially in the engine's process; the payload then replaces the frames.
+`model.engine` names a built-in engine ("mlx", "vllm") or a plugin given as `package.module:Class`; either
+way the result implements `batchjob.contract.Engine`. Built-in engines are named by module path and
+imported only when resolved, so the driver never imports MLX or vLLM (the MLX engine module itself imports
+MLX only inside `load`, so resolving it is cheap everywhere).
 """
 from __future__ import annotations
 
 import importlib
-import time
-from typing import Any, Callable, Protocol, Sequence
 
-import numpy as np
+from batchjob.config import ConfigError, ModelConfig
+from batchjob.contract import Engine, InputPreparer, missing_engine_methods
 
-from batchjob.config import ConfigError, ModelConfig, PromptConfig
-from batchjob.pipeline.work import Answer
-
-ClipQuestions = tuple[np.ndarray, dict, str, Sequence[tuple[str, str, tuple[str, ...]]]]
-
-
-class Engine(Protocol):
-    model_id: str
-
-    def answer(self, clips: Sequence[ClipQuestions]) -> list[Answer]: ...
+ENGINES: dict[str, str] = {
+    "mlx": "batchjob.pipeline.mlx_engine:MlxEngine",
+    "vllm": "batchjob.pipeline.vllm_engine:VllmEngine",
+}
 
 
-class MlxClipPreparer:
-    """Resize + normalize + patchify a clip (the checkpoint's own processor) inside a decode worker.
-
-    In the engine's process this took about half of the engine's time per clip on the tiny benchmark model
-    (28 ms of preprocessing against 15 ms of vision tower); in the decoders it runs beside other clips.
-    """
-
-    runs_without_torch = True   # a decoder hosting it hides torch from transformers (2 s less start-up)
-
-    def __init__(self, settings):
-        self.settings = settings
-        self._processor = None
-
-    def warm_up(self) -> None:
-        """Import transformers and build the processor now (at actor start, beside the model load)."""
-        from batchjob.engine.preprocess import image_processor
-
-        self._processor = image_processor(self.settings)
-
-    def __call__(self, frames: np.ndarray, metadata: dict):
-        from batchjob.engine.preprocess import preprocess_video
-
-        if self._processor is None:
-            self.warm_up()
-        return preprocess_video(frames, metadata, self.settings, self._processor)
-
-    def __getstate__(self) -> dict:
-        return {"settings": self.settings, "_processor": None}   # the processor is rebuilt where it runs
+def resolve_engine(name: str) -> type[Engine]:
+    """The engine class for `model.engine`; ConfigError naming the valid choices or what a plugin lacks."""
+    target = ENGINES.get(name, name)
+    if ":" not in target:
+        raise ConfigError(f"model.engine: unknown engine {name!r}; valid: {', '.join(sorted(ENGINES))} "
+                          "or a plugin 'package.module:Class'")
+    mod_name, _, attr = target.partition(":")
+    try:
+        engine = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"model.engine: cannot import engine {name!r}: {err}") from None
+    missing = missing_engine_methods(engine)
+    if missing:
+        raise ConfigError(f"model.engine: {name!r} does not implement batchjob.contract.Engine (missing: "
+                          f"{', '.join(missing)}); subclass batchjob.contract.EngineBase")
+    return engine
 
 
-class MlxEngine:
-    """batchjob's own MLX classifier (Apple GPU, or CPU elsewhere)."""
+def input_preparer(model: ModelConfig) -> InputPreparer | None:
+    """The engine's decoder-side input preparation for this model (None: decoders ship frames)."""
+    return resolve_engine(model.engine).input_preparer(model)
 
-    runs_without_torch = True   # its actor hides torch from transformers (see batchjob.engine.process_setup)
-
-    @staticmethod
-    def clip_preparer(model: ModelConfig) -> MlxClipPreparer | None:
-        """Decoder-side preparation from the checkpoint's processor settings; None (the engine prepares
-        clips itself) when the checkpoint is a hub id not on disk yet or its settings are unreadable: the
-        engine's own load then reports the problem."""
-        from pathlib import Path
-
-        from batchjob.engine.preprocess import load_vision_settings
-        from batchjob.engine.types import EngineError
-
-        path = Path(model.checkpoint).expanduser()
-        if not path.is_dir():
-            return None
-        try:
-            return MlxClipPreparer(load_vision_settings(path, model.min_pixels, model.max_pixels, model.temporal_step))
-        except EngineError:
-            return None
-
-    def __init__(self, model: ModelConfig, prompt: PromptConfig):
-        from batchjob.engine import Classifier, EngineConfig
-
-        extra: dict[str, Any] = {}
-        if prompt.template is not None:
-            extra["prompt_template"] = prompt.template
-        cfg = EngineConfig(dtype=model.dtype, min_pixels=model.min_pixels, max_pixels=model.max_pixels,
-                           max_num_batched_tokens=model.max_num_batched_tokens, max_model_len=model.max_model_len,
-                           memory_budget_gb=model.memory_budget_gb, temporal_step=model.temporal_step,
-                           option_labels=tuple(prompt.option_labels),
-                           system_prompt=prompt.system, **extra)
-        self._clf = Classifier.from_pretrained(model.checkpoint, cfg)
-        self.model_id = self._clf.model_id
-
-    def answer(self, clips: Sequence[ClipQuestions]) -> list[Answer]:
-        from batchjob.engine import ClassifyRequest, Clip, VideoInputs
-
-        def clip(payload, meta: dict, media_id: str) -> Clip:
-            if isinstance(payload, VideoInputs):
-                return Clip(None, meta, media_id, inputs=payload)
-            return Clip(payload, meta, media_id)
-
-        requests = [ClassifyRequest(row_id, clip(payload, meta, media_id), question, tuple(options))
-                    for payload, meta, media_id, questions in clips
-                    for row_id, question, options in questions]
-        results = self._clf.classify(requests)
-        return [Answer(r.request_id, r.choice, list(r.probs), r.prompt_tokens, r.cached_tokens, r.error)
-                for r in results]
-
-
-ENGINES: dict[str, Callable[[ModelConfig, PromptConfig], Engine]] = {"mlx": MlxEngine}
-
-
-def resolve_engine(name: str) -> Callable[[ModelConfig, PromptConfig], Engine]:
-    """The factory for `model.engine`; ConfigError naming the valid choices otherwise."""
-    if name in ENGINES:
-        return ENGINES[name]
-    if ":" in name:
-        mod_name, _, attr = name.partition(":")
-        try:
-            return getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"model.engine: cannot import plugin engine {name!r}: {err}") from None
-    raise ConfigError(f"model.engine: unknown engine {name!r}; valid: {', '.join(sorted(ENGINES))} "
-                      "or a plugin 'package.module:factory'")
-
-
-def clip_preparer(model: ModelConfig) -> Callable[[np.ndarray, dict], Any] | None:
-    """The engine's decoder-side preparation for this model, if it offers one."""
-    offer = getattr(resolve_engine(model.engine), "clip_preparer", None)
-    return offer(model) if offer else None
-
-
-def timed_answer(engine: Engine, clips: Sequence[ClipQuestions]) -> tuple[list[Answer], float]:
-    t0 = time.perf_counter()
-    answers = engine.answer(clips)
-    return answers, (time.perf_counter() - t0) * 1000.0

@@ -63,7 +63,7 @@ def preflight(cfg: JobConfig) -> list[Row]:
         raise ConfigError(f"{where}: loader.name: unknown loader {cfg.loader.name!r}; "
                           f"valid: {', '.join(list_loaders())}")
     try:
-        resolve_engine(cfg.model.engine)
+        resolve_engine(cfg.model.engine).check(cfg.model, cfg.prompt)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
     check_paths(cfg)
@@ -101,8 +101,9 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
     import ray
 
     from batchjob.pipeline.actors import make_decoders, make_engines
-    from batchjob.pipeline.engines import clip_preparer
+    from batchjob.pipeline.engines import resolve_engine
     from batchjob.pipeline.ray_runtime import start_ray, stop_ray
+    from batchjob.pipeline.workers import RayWorkers
 
     out_dir, fingerprint = Path(cfg.output.directory), cfg.fingerprint()
     skip = prepare_output(out_dir, fingerprint, manifest, restart=restart)
@@ -117,33 +118,40 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         return stats
     started = start_ray(rt.ray_address, rt.decode_actors * rt.decode_cpus + rt.engine_actors * rt.engine_cpus)
     previous = _catch_sigterm()
-    writer = PartWriter(out_dir, {**manifest, "fingerprint": fingerprint}, cfg.output.rows_per_part,
-                        cfg.output.flush_seconds)
+    writer: PartWriter | None = None
     try:
+        engine_cls = resolve_engine(cfg.model.engine)
         engines = make_engines(rt.engine_actors, rt.engine_cpus, cfg.model, cfg.prompt)
-        decoders = make_decoders(rt.decode_actors, rt.decode_cpus, loader, n, kw, clip_preparer(cfg.model))
+        decoders = make_decoders(rt.decode_actors, rt.decode_cpus, loader, n, kw,
+                                 engine_cls.input_preparer(cfg.model), engine_cls.hides_torch)
         try:
-            model_ids = ray.get([e.ready.remote() for e in engines])
+            described = ray.get([e.describe.remote() for e in engines])
         except ray.exceptions.RayError as err:
             # Ray wraps the actor's exception in a traceback; its last line is the engine's own message.
             lines = [ln.strip() for ln in str(getattr(err, "cause", None) or err).splitlines() if ln.strip()]
             raise EngineStartError(f"engine {cfg.model.engine!r} could not load {cfg.model.checkpoint}: "
                                    f"{lines[-1] if lines else type(err).__name__}") from None
-        stats.model = model_ids[0]
+        stats.model = described[0].model_id
+        # Who answered goes into every part's metadata (next to the config and versions).
+        engine_info = {"engine": described[0].engine, "model_id": described[0].model_id,
+                       **dict(described[0].details)}
+        writer = PartWriter(out_dir, {**manifest, "fingerprint": fingerprint, "engine": engine_info},
+                            cfg.output.rows_per_part, cfg.output.flush_seconds)
         if _terminate.is_set():          # SIGTERM while the model loaded
             raise JobTerminated()
 
         def progress(s: RunStats) -> None:
             if _terminate.is_set():
                 raise JobTerminated()
-            writer.maybe_flush()
+            writer.maybe_flush()  # type: ignore[union-attr]
             s.wall_s = time.perf_counter() - t0
             if on_progress:
                 on_progress(s)
 
-        Driver(cfg, decoders, engines, stats.model, writer.add, stats, progress, started_at).run(clips)
+        Driver(cfg, RayWorkers(decoders, engines), stats.model, writer.add, stats, progress, started_at).run(clips)
     finally:
-        writer.flush()   # finished rows are complete rows: keep them even when the run fails
+        if writer is not None:
+            writer.flush()   # finished rows are complete rows: keep them even when the run fails
         stats.wall_s = time.perf_counter() - t0
         if started:
             stop_ray()

@@ -5,37 +5,33 @@ Kept free of Ray and of the engine so it can be tested with plain data.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from collections import deque
 from typing import Any, Sequence
 
+from batchjob.contract import Answer, ClipJob, DecodeStatus, Question
 from batchjob.datasets import Row
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What an engine returns for one question (the pipeline's view of engine.ClassifyResult)."""
-    row_id: str
-    choice: int | None
-    probs: list[float]
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
 
 
 @dataclass
 class ClipWork:
-    """One clip and every question about it: decoded once, classified in one engine call."""
-    video: str
-    media_id: str
+    """The driver's bookkeeping for one clip (never leaves the driver): its job, its dataset rows, and how
+    its decode went. What crosses to actors is `job` and, from them, the frozen `DecodeStatus`."""
+    job: ClipJob
     rows: list[Row]
     attempts: int = 0                      # decode attempts (an actor crash retries once)
-    decode: dict[str, Any] = field(default_factory=dict)   # status from the decode actor
+    status: DecodeStatus | None = None     # from the decode actor; None until it reports (or when it died)
+    timed_out: bool = False                # killed by the driver's decode timeout
     solo: bool = False                     # its multi-clip engine batch failed: retry it alone to find the culprit
 
-    def questions(self) -> list[tuple[str, str, tuple[str, ...]]]:
-        return [(r.row_id, r.question, r.options) for r in self.rows]
+    @property
+    def video(self) -> str:
+        return self.job.video
+
+    @property
+    def media_id(self) -> str:
+        return self.job.media_id
 
 
 def take_batch(decoded: deque, clips_per_batch: int) -> list:
@@ -60,18 +56,17 @@ def media_id(video: str, loader: str, num_frames: int, loader_kwargs: dict[str, 
 def group_by_clip(rows: Sequence[Row], skip: set[str], loader: str, num_frames: int,
                   loader_kwargs: dict[str, Any]) -> list[ClipWork]:
     """Pending rows grouped by video, in first-appearance order, so every clip is decoded once."""
-    groups: dict[str, ClipWork] = {}
+    groups: dict[str, list[Row]] = {}
     for r in rows:
-        if r.row_id in skip:
-            continue
-        if r.video not in groups:
-            groups[r.video] = ClipWork(r.video, media_id(r.video, loader, num_frames, loader_kwargs), [])
-        groups[r.video].rows.append(r)
-    return list(groups.values())
+        if r.row_id not in skip:
+            groups.setdefault(r.video, []).append(r)
+    return [ClipWork(ClipJob(video, media_id(video, loader, num_frames, loader_kwargs),
+                             tuple(Question(r.row_id, r.question, tuple(r.options)) for r in group)), group)
+            for video, group in groups.items()]
 
 
 def result_row(row: Row, answer: Answer | None, *, labels: Sequence[str], loader: str, num_frames: int,
-               decode: dict[str, Any], engine_ms: float | None, model: str, run_id: str,
+               decode: DecodeStatus | None, engine_ms: float | None, model: str, run_id: str,
                run_started_at: datetime, finished_at: datetime, error: str | None = None) -> dict[str, Any]:
     """One output row. An error (decode or engine) leaves the prediction null and counts as incorrect."""
     err = error or (answer.error if answer else "no answer from engine")
@@ -85,10 +80,10 @@ def result_row(row: Row, answer: Answer | None, *, labels: Sequence[str], loader
         "probs": list(answer.probs) if answer and not err else None,
         "correct": None if row.answer is None else (choice == row.answer),
         "loader": loader, "num_frames": num_frames,
-        "frame_indices": decode.get("frames_indices"), "decode_ms": decode.get("decode_ms"),
+        "frame_indices": decode.frames_indices if decode else None, "decode_ms": decode.decode_ms if decode else None,
         "engine_ms": engine_ms,
         "prompt_tokens": answer.prompt_tokens if answer and not err else None,
         "cached_tokens": answer.cached_tokens if answer and not err else None,
-        "error": err, "model": model, "decode_node": decode.get("node"),
+        "error": err, "model": model, "decode_node": decode.node if decode else None,
         "run_id": run_id, "run_started_at": run_started_at, "finished_at": finished_at,
     }

@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 import yaml
 
+from batchjob.contract import EngineBase
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TEST_ENGINE = "conftest:DeterministicEngine"
@@ -34,7 +36,7 @@ def frame_signature(num_frames: int, width: int) -> int:
     return num_frames * 10_000 + width
 
 
-class DeterministicEngine:
+class DeterministicEngine(EngineBase):
     """Test engine: answer = hash(row id); prompt_tokens encodes the frames' shape; optional delay."""
 
     def __init__(self, model, prompt):
@@ -42,20 +44,21 @@ class DeterministicEngine:
         self.delay = float(os.environ.get("BATCHJOB_TEST_ENGINE_DELAY", "0"))
 
     def answer(self, clips):
-        from batchjob.pipeline.work import Answer
+        from batchjob.contract import Answer
 
         out = []
-        for frames, meta, media_id, questions in clips:
+        for clip in clips:
+            frames, questions = clip.payload, clip.job.questions
             assert frames.dtype == np.uint8 and frames.ndim == 4 and frames.shape[3] == 3, frames.shape
-            assert len(meta["frames_indices"]) == frames.shape[0]
-            if any("ENGINE_FAIL" in q for _, q, _ in questions):
-                raise RuntimeError(f"test engine refuses {media_id}")
+            assert len(clip.metadata.frames_indices) == frames.shape[0]
+            if any("ENGINE_FAIL" in q.text for q in questions):
+                raise RuntimeError(f"test engine refuses {clip.job.media_id}")
             time.sleep(self.delay)
-            for row_id, _question, options in questions:
-                c = expected_choice(row_id, len(options))
-                probs = [0.05] * len(options)
-                probs[c] = 1.0 - 0.05 * (len(options) - 1)
-                out.append(Answer(row_id, c, probs, frame_signature(frames.shape[0], frames.shape[2]), 0, None))
+            for q in questions:
+                c = expected_choice(q.row_id, len(q.options))
+                probs = [0.05] * len(q.options)
+                probs[c] = 1.0 - 0.05 * (len(q.options) - 1)
+                out.append(Answer(q.row_id, c, probs, frame_signature(frames.shape[0], frames.shape[2]), 0, None))
         return out
 
 

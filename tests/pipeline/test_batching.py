@@ -4,11 +4,12 @@ from __future__ import annotations
 import random
 from collections import deque
 
+from batchjob.contract import ClipJob
 from batchjob.pipeline.work import ClipWork, take_batch
 
 
 def _clips(rng: random.Random, n: int, solo_share: float = 0.0) -> list[tuple[ClipWork, int]]:
-    return [(ClipWork(video=f"v{i}.mp4", media_id=f"m{i}", rows=[], solo=rng.random() < solo_share), i)
+    return [(ClipWork(ClipJob(f"v{i}.mp4", f"m{i}", ()), rows=[], solo=rng.random() < solo_share), i)
             for i in range(n)]
 
 

@@ -8,8 +8,10 @@ import pytest
 
 from batchjob.config import ModelConfig
 from batchjob.engine import load_vision_settings, preprocess_video
+from batchjob.contract import ClipMetadata, EngineBase
 from batchjob.pipeline import engines
-from batchjob.pipeline.engines import MlxClipPreparer, clip_preparer
+from batchjob.pipeline.engines import input_preparer as clip_preparer
+from batchjob.pipeline.mlx_engine import MlxClipPreparer
 from batchjob.synthetic.tiny_model import write_tiny_checkpoint
 
 
@@ -29,7 +31,7 @@ def test_preparer_uses_the_checkpoints_settings_and_overrides(checkpoint):
     meta = {"fps": 30.0, "frames_indices": list(range(0, 10 * len(frames), 10))}
     shipped = pickle.loads(pickle.dumps(prep))           # what a decoder receives: settings, no processor
     assert shipped._processor is None and shipped.settings == prep.settings
-    made, expected = shipped(frames, meta), preprocess_video(frames, meta, prep.settings)
+    made, expected = shipped(frames, ClipMetadata.from_loader(meta)), preprocess_video(frames, meta, prep.settings)
     assert made.grid_thw == expected.grid_thw and made.settings == expected.settings
     np.testing.assert_array_equal(made.pixel_values, expected.pixel_values)
     assert pickle.loads(pickle.dumps(shipped))._processor is None   # never pickles the processor
@@ -44,7 +46,7 @@ def test_preparer_carries_the_temporal_step_rule(checkpoint):
     for rule in ("nominal", "actual"):
         prep = clip_preparer(ModelConfig(checkpoint=str(checkpoint), temporal_step=rule))
         assert prep.settings == load_vision_settings(checkpoint, None, None, rule)
-        steps[rule] = prep(frames, meta).second_per_grid_t
+        steps[rule] = prep(frames, ClipMetadata.from_loader(meta)).second_per_grid_t
     assert steps["nominal"] == pytest.approx(2 / (4 / 300 * 30.0))
     assert steps["actual"] == pytest.approx(2 / (3 * 30.0 / 90))
 
@@ -55,5 +57,5 @@ def test_no_preparer_when_the_engine_must_find_the_checkpoint_itself(checkpoint,
     bare.mkdir()
     (bare / "config.json").write_text((checkpoint / "config.json").read_text())
     assert clip_preparer(ModelConfig(checkpoint=str(bare))) is None   # the engine's load reports it
-    monkeypatch.setitem(engines.ENGINES, "frames-only", lambda model, prompt: None)   # offers no preparer
+    monkeypatch.setitem(engines.ENGINES, "frames-only", "batchjob.contract:EngineBase")   # offers no preparer
     assert clip_preparer(ModelConfig(checkpoint=str(checkpoint), engine="frames-only")) is None

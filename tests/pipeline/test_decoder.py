@@ -28,9 +28,9 @@ class Recorder:
         self.warm = True
 
     def __call__(self, frames, metadata):
-        if self.fail_on and self.fail_on in metadata.get("video_backend", "") + str(len(frames)):
+        if self.fail_on and self.fail_on in (metadata.video_backend or "") + str(len(frames)):
             raise ValueError("aspect ratio too extreme")
-        self.seen.append((frames.shape, list(metadata["frames_indices"])))
+        self.seen.append((frames.shape, list(metadata.frames_indices)))
         return {"prepared": frames[:, ::2, ::2].copy()}
 
 
@@ -42,11 +42,15 @@ def test_prepared_payload_replaces_frames(decoder_cls, synthetic):
     dec = decoder_cls("pyav_keyframes", 4, {}, prep)
     assert prep.warm
     status, payload = dec.decode(video)
-    assert status["ok"] and status["node"] == "node-under-test"
-    assert status["busy_ms"] >= status["decode_ms"] > 0
-    assert status["frames_indices"] == [int(i) for i in meta["frames_indices"]]
+    assert status.ok and status.node == "node-under-test"
+    assert status.busy_ms >= status.decode_ms > 0
+    assert status.frames_indices == [int(i) for i in meta["frames_indices"]]
+    # vLLM's six keys in their fields, the loader's others kept aside
+    assert status.metadata.standard().keys() == {"total_num_frames", "fps", "duration", "video_backend",
+                                                  "frames_indices", "do_sample_frames"}
+    assert status.metadata.as_dict().keys() == {k for k, v in meta.items() if v is not None}
     np.testing.assert_array_equal(payload["prepared"], frames[:, ::2, ::2])
-    assert prep.seen == [(frames.shape, status["frames_indices"])]
+    assert prep.seen == [(frames.shape, status.frames_indices)]
 
 
 def test_preparation_failure_is_this_clips_error(decoder_cls, synthetic):
@@ -54,10 +58,10 @@ def test_preparation_failure_is_this_clips_error(decoder_cls, synthetic):
     video = str(manifest.parent / "clips" / clips[0]["video"])
     dec = decoder_cls("pyav_keyframes", 3, {}, Recorder(fail_on="3"))
     status, payload = dec.decode(video)
-    assert payload is None and not status["ok"]
-    assert status["error"].startswith("preparing the frames failed: ValueError: aspect ratio too extreme")
+    assert payload is None and not status.ok
+    assert status.error.startswith("preparing the frames failed: ValueError: aspect ratio too extreme")
     status, payload = dec.decode(str(manifest.parent / "clips" / "missing.mp4"))
-    assert payload is None and status["error"].startswith("decode failed")
+    assert payload is None and status.error.startswith("decode failed")
 
 
 def test_unavailable_preparation_falls_back_to_frames(decoder_cls, synthetic):
@@ -66,5 +70,5 @@ def test_unavailable_preparation_falls_back_to_frames(decoder_cls, synthetic):
     dec = decoder_cls("pyav_keyframes", 2, {}, Recorder(fail_warm_up=True))
     status, payload = dec.decode(video)
     frames, _ = load_video(video, backend="pyav_keyframes", num_frames=2)
-    assert status["ok"] and dec.prepare is None
+    assert status.ok and dec.prepare is None
     np.testing.assert_array_equal(payload, frames)

@@ -12,6 +12,7 @@ from batchjob.datasets import Row
 from batchjob.pipeline.output import (MANIFEST, OutputMismatch, PartWriter, done_row_ids, lock_output,
                                       prepare_output, read_file_metadata, read_output)
 from batchjob.pipeline.report import summarize
+from batchjob.contract import ClipMetadata, DecodeStatus
 from batchjob.pipeline.work import Answer, group_by_clip, media_id, result_row
 
 LABELS = ["A", "B", "C", "D", "E"]
@@ -27,19 +28,19 @@ def make_result(rng: random.Random, row: Row, run: str, start: datetime, t: date
     answer = rng.choice([None, rng.randrange(len(row.options))])
     row = Row(row.row_id, row.video, row.question, row.options, answer, row.category)
     if rng.random() < 0.2:
-        return result_row(row, None, labels=LABELS, loader="pyav_keyframes", num_frames=4, decode={},
+        return result_row(row, None, labels=LABELS, loader="pyav_keyframes", num_frames=4, decode=None,
                           engine_ms=None, model="m", run_id=run, run_started_at=start, finished_at=t,
                           error="decode failed: CorruptVideo")
     choice = rng.randrange(len(row.options))
     ans = Answer(row.row_id, choice, [1.0 / len(row.options)] * len(row.options), 100, 50, None)
     return result_row(row, ans, labels=LABELS, loader="pyav_keyframes", num_frames=4,
-                      decode={"frames_indices": [0, 5, 9, 14], "decode_ms": 3.5, "node": "n1"},
+                      decode=DecodeStatus("n1", 3.5, 4.0, ClipMetadata(frames_indices=(0, 5, 9, 14))),
                       engine_ms=12.0, model="m", run_id=run, run_started_at=start, finished_at=t)
 
 
 def test_result_row_semantics():
     row = Row("x", "/v.mp4", "q", ("a", "b", "c"), 2, "cat")
-    kw = dict(labels=LABELS, loader="l", num_frames=4, decode={}, engine_ms=1.0, model="m", run_id="r",
+    kw = dict(labels=LABELS, loader="l", num_frames=4, decode=None, engine_ms=1.0, model="m", run_id="r",
               run_started_at=datetime.now(timezone.utc), finished_at=datetime.now(timezone.utc))
     ok = result_row(row, Answer("x", 2, [0.1, 0.2, 0.7], 10, 0), **kw)
     assert (ok["pred_index"], ok["pred_letter"], ok["correct"], ok["error"]) == (2, "C", True, None)
