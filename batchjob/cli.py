@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -24,7 +25,7 @@ NO_PRELOAD_ENV = "BATCHJOB_NO_OPENBLAS"
 
 
 def _bad_config(message: str) -> typer.Exit:
-    err.print(f"[bold red]config error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]config error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
@@ -77,13 +78,13 @@ def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool,
     except (ConfigError, OutputMismatch) as e:
         raise _bad_config(str(e))
     except EngineStartError as e:
-        err.print(f"[bold red]engine error:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]engine error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     except (KeyboardInterrupt, JobTerminated) as e:
         err.print("interrupted: finished rows are saved; rerun the same command to resume")
         raise typer.Exit(143 if isinstance(e, JobTerminated) else 130)
     except Exception as e:  # a runtime failure at 3 a.m.: say what, keep what was written, exit 1
-        err.print(f"[bold red]run failed:[/] {type(e).__name__}: {e}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]run failed:[/] {type(e).__name__}: {escape(str(e))}", highlight=False, soft_wrap=True)
         err.print("finished rows are saved; rerun the same command to resume")
         raise typer.Exit(1)
     try:

@@ -77,7 +77,7 @@ class ModelConfig(_Section):
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})")
         if self.vllm is not None and self.engine != "vllm":
-            raise ValueError(f"the vllm: section is read only by engine: vllm, but engine is {self.engine!r}; "
+            raise ValueError(f"model.vllm is read only by engine: vllm, but engine is {self.engine!r}; "
                              "remove it or set engine: vllm")
         if self.engine == "vllm" and self.memory_budget_gb is not None:
             raise ValueError("memory_budget_gb is read only by engine: mlx; with engine: vllm set "

@@ -13,8 +13,11 @@ BAD = [
     ({"loader": {"num_frames": "sixteen"}}, "loader.num_frames"),
     ({"dataset": {"annotation": "/nonexistent/anno.jsonl"}}, "/nonexistent/anno.jsonl"),
     ({"loader": {"name": "decord"}}, "loader.name"),
-    ({"model": {"engine": "vllm"}}, "model.engine"),
+    ({"model": {"engine": "tensorrt"}}, "model.engine"),
     ({"model": {"checkpoint": "/nonexistent/ckpt"}}, "/nonexistent/ckpt"),
+    ({"prompt": {"option_labels": list("ABCDEF")}}, "prompt.option_labels"),
+    ({"model": {"min_pixels": 50000, "max_pixels": 40000}}, "min_pixels"),
+    ({"model": {"vllm": {"enforce_eager": True}}}, "model.vllm"),
 ]
 # `run` shares validate's checks: two cases show it exits 2 before starting anything.
 CASES = [("validate", *c) for c in BAD] + [("run", *BAD[0]), ("run", *BAD[4])]
@@ -29,9 +32,20 @@ def test_bad_config_exits_2_naming_the_problem(tmp_path, h, synthetic, command, 
     assert named in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (tmp_path / "out").exists()        # nothing started, nothing written
     if "engine" in named:
-        assert "mlx" in res.stderr                # the valid choices are listed
+        assert "mlx" in res.stderr and "vllm" in res.stderr   # the valid choices are listed
+    assert "job.yaml" in res.stderr or named.startswith("/")    # the file is named
     if "loader.name" in named:
         assert "pyav_keyframes" in res.stderr
+
+
+def test_engine_vllm_without_vllm_names_the_extra(tmp_path, h, synthetic):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    manifest, _ = synthetic
+    res = h.run_cli("validate", str(h.write_config(tmp_path / "job.yaml", manifest, model={"engine": "vllm"})))
+    assert res.returncode == 2 and "batchjob[vllm]" in res.stderr and "model.engine" in res.stderr, res.stderr
 
 
 def test_validate_ok_and_helpers(tmp_path, h, synthetic):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 import random
 
 import pytest
@@ -136,3 +137,71 @@ def test_overrides(tmp_path, monkeypatch):
     assert o.fingerprint() == cfg.fingerprint()
     with pytest.raises(ConfigError, match="--limit"):
         cfg.with_overrides(limit=0)
+
+
+def _random_settings(rng: random.Random) -> tuple[dict, dict]:
+    labels = rng.choice([list("AB"), list("ABC"), list("ABCDE"), list("ABCDEF"), list("ABCDEFG"), ["A", "A"],
+                         ["1", "2", "3", "4"]])
+    lo, hi = rng.choice([None, 3136, 50176, 200704]), rng.choice([None, 3136, 50176, 200704])
+    model = {"checkpoint": "ckpt", "min_pixels": lo, "max_pixels": hi,
+             "dtype": rng.choice(["auto", "float32", "bfloat16"]), "temporal_step": rng.choice(["nominal", "actual"]),
+             "max_model_len": rng.choice([16, 4096]), "max_num_batched_tokens": rng.choice([16, 8192])}
+    prompt = {"option_labels": labels, "template": rng.choice([None, "{question} {options}", "Q: {question}"])}
+    return model, prompt
+
+
+def test_the_job_config_accepts_exactly_what_the_mlx_engine_accepts():
+    """Random settings: the job schema plus the engine's preflight check reject a setting iff the MLX
+    engine's own validation would (before, six option labels validated and then every row failed)."""
+    from pydantic import ValidationError
+
+    from batchjob.config import ModelConfig, PromptConfig
+    from batchjob.engine.prompt import MAX_OPTIONS
+    from batchjob.engine.types import EngineConfig, EngineError
+    from batchjob.pipeline.mlx_engine import MlxEngine
+
+    rng = random.Random()
+    outcomes = set()
+    for _ in range(300):
+        model, prompt = _random_settings(rng)
+        try:
+            m, p = ModelConfig(**model), PromptConfig(**prompt)
+            MlxEngine.check(m, p)
+            job_ok = True
+        except (ValidationError, ConfigError):
+            job_ok = False
+        labels = prompt["option_labels"]
+        eng = EngineConfig(dtype=model["dtype"], min_pixels=model["min_pixels"], max_pixels=model["max_pixels"],
+                           max_model_len=model["max_model_len"], max_num_batched_tokens=model["max_num_batched_tokens"],
+                           temporal_step=model["temporal_step"], option_labels=tuple(labels),
+                           **({"prompt_template": prompt["template"]} if prompt["template"] else {}))
+        try:
+            eng.validate()
+            # the engine takes more labels than options it answers: a label past MAX_OPTIONS never answers
+            engine_ok = len(labels) <= MAX_OPTIONS
+        except EngineError:
+            engine_ok = False
+        assert job_ok == engine_ok, (model, prompt)
+        outcomes.add(job_ok)
+    assert outcomes == {True, False}
+
+
+def test_engine_specific_sections_name_their_key(tmp_path):
+    base = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "demo.yaml").read_text())
+    cases = [({"vllm": {"tensor_parallel_size": 2}}, "model.vllm"),
+             ({"engine": "vllm", "vllm": {"gpu_memory_utilization": 1.5}}, "model.vllm.gpu_memory_utilization"),
+             ({"engine": "vllm", "vllm": {"tensor_paralel_size": 2}}, "model.vllm.tensor_paralel_size"),
+             ({"engine": "vllm", "memory_budget_gb": 4}, "gpu_memory_utilization")]
+    for change, named in cases:
+        raw = copy.deepcopy(base)
+        raw["model"].update(change)
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        assert named in str(err.value) and str(path) in str(err.value), str(err.value)
+    raw = copy.deepcopy(base)
+    raw["model"].update({"engine": "vllm", "vllm": {"tensor_parallel_size": 2, "max_model_len": 4096}})
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(path)
+    assert cfg.model.vllm.tensor_parallel_size == 2 and cfg.model.vllm.max_model_len == 4096
