@@ -1,9 +1,9 @@
 """Video frames -> the vision tower's input, exactly as the checkpoint's own processor would make it.
 
 transformers' Qwen2-VL *video* processor needs torchvision, which cannot run beside the CPU torch build
-here, so each frame goes through the checkpoint's *image* processor (PIL backend: smart_resize to the pixel
-bounds, bicubic resize, rescale, CLIP mean/std, patchify) and the frames are then grouped in time the way
-the video processor groups them: `temporal_patch_size` consecutive frames form one temporal patch, and a
+here, so frames are resized to the smart_resize grid the way the video processor resizes them (see
+resize.py), then go through the checkpoint's *image* processor (PIL backend: rescale, CLIP mean/std,
+patchify; no further resize) and are grouped in time the way the video processor groups them: `temporal_patch_size` consecutive frames form one temporal patch, and a
 short last group is padded by repeating the last frame.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .resize import resize_frames
 from .types import EngineError
 
 # Qwen2-VL's processor samples 2 frames per second by default; used only when loader metadata has no fps.
@@ -174,6 +175,10 @@ def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSetting
     pad = (-len(frames)) % tp
     if pad:
         frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+    # Resize as the *video* processor does (torchvision's float pass), so the image processor below only
+    # rescales, normalises and patchifies: PIL's own resize rounds between passes and drifts off it.
+    p = settings.patch_size
+    frames = resize_frames(frames, plan.grid_thw[1] * p, plan.grid_thw[2] * p)
     processor = processor or image_processor(settings)
     out = processor(list(frames), return_tensors="np")
     grids = out["image_grid_thw"]

@@ -11,15 +11,28 @@ from batchjob.engine import EngineError
 from batchjob.engine.preprocess import VisionSettings, load_vision_settings, preprocess_video, sampling_fps
 
 
+def _torch_resize(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """What torchvision's resize does to a uint8 video (transformers' video processor): antialiased bicubic
+    in float32, clamped and rounded (torchvision itself cannot be imported beside the CPU torch here)."""
+    import torch
+
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float()
+    x = torch.nn.functional.interpolate(x, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
+    return x.clamp(0, 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
 def _reference_video_patches(frames: np.ndarray, settings: VisionSettings) -> tuple[np.ndarray, tuple]:
-    """Frames -> normalized images via transformers' PIL image processor (one image each), then the video
-    processor's documented layout: (t, h/m, w/m, m, m, C, temporal, patch, patch), written out directly."""
+    """Frames -> resized as the video processor resizes (torch), normalized via transformers' PIL image
+    processor (one image each, already at its size), then the video processor's documented layout:
+    (t, h/m, w/m, m, m, C, temporal, patch, patch), written out directly."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
     p, m, tp = settings.patch_size, settings.merge_size, settings.temporal_patch_size
     h, w = smart_resize(frames.shape[1], frames.shape[2], factor=p * m, min_pixels=settings.min_pixels,
                         max_pixels=settings.max_pixels)
     proc = Qwen2VLImageProcessorPil(min_pixels=settings.min_pixels, max_pixels=settings.max_pixels)
+    if (h, w) != frames.shape[1:3]:
+        frames = _torch_resize(frames, h, w)
     # Undo the image processor's patchify on a single frame to recover the normalized image [C, H, W].
     images = []
     for frame in frames:
@@ -45,15 +58,30 @@ def test_matches_reference_layout(num_frames, rng):
     expected, grid = _reference_video_patches(frames, settings)
     assert out.grid_thw == grid
     assert out.num_tokens == grid[0] * grid[1] * grid[2] // 4
-    np.testing.assert_allclose(out.pixel_values, expected, rtol=0, atol=1e-6)
+    # A float32 summation-order difference can move a resized pixel by one level (about 1e-4 of them).
+    off = np.abs(out.pixel_values - expected) > 1e-6
+    assert off.mean() < 1e-3 and np.abs(out.pixel_values - expected).max() < 0.02
+
+
+def test_resize_is_the_video_processors(rng):
+    """Our numpy resize against PyTorch's antialiased bicubic (torchvision's path), down and up."""
+    from batchjob.engine.resize import resize_frames
+
+    worst, off, total = 0, 0, 0
+    for _ in range(10):
+        frames = rng.integers(0, 256, (2, int(rng.integers(20, 220)), int(rng.integers(20, 220)), 3), dtype=np.uint8)
+        height, width = int(rng.integers(14, 200)), int(rng.integers(14, 200))
+        diff = np.abs(resize_frames(frames, height, width).astype(int) - _torch_resize(frames, height, width))
+        worst, off, total = max(worst, int(diff.max())), off + int((diff > 0).sum()), total + diff.size
+    assert worst <= 1 and off / total < 1e-3, (worst, off / total)
 
 
 def test_identical_frames_equal_image_processor_output(rng):
-    """A clip of two identical frames is exactly what the image processor makes of that one image."""
+    """A clip of two identical frames (at the grid's size) is exactly what the image processor makes of that image."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     settings = VisionSettings(min_pixels=3136, max_pixels=28 * 28 * 20)
-    frame = rng.integers(0, 256, (1, 77, 131, 3), dtype=np.uint8)
+    frame = rng.integers(0, 256, (1, 84, 140, 3), dtype=np.uint8)
     out = preprocess_video(np.repeat(frame, 2, axis=0), {"fps": 2.0}, settings)
     image = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=28 * 28 * 20)(frame[0], return_tensors="np")
     np.testing.assert_array_equal(out.pixel_values, np.asarray(image["pixel_values"], dtype=np.float32))

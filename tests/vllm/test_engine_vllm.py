@@ -1,0 +1,194 @@
+"""`engine: vllm` against the MLX engine and transformers, on the same tiny random Qwen2.5-VL and frames.
+
+Runs in the vLLM test environment (scripts/vllm_env.sh; it needs the mlx, mlx-cpu and ray extras and mlx-vlm
+there too) and skips elsewhere. The checkpoint has head_dim 32: vLLM's CPU attention rejects 16. The
+transformers reference uses transformers' own *video* processor (torchvision, which this environment has),
+so it is what a transformers or vLLM user gets.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="needs a real vLLM: run in the environment scripts/vllm_env.sh builds")
+pytest.importorskip("mlx.core", reason="compares with the MLX engine: install the mlx extra in the vLLM environment")
+torch = pytest.importorskip("torch")
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # one process: a tiny model starts in seconds
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from batchjob.config import ModelConfig, PromptConfig, VllmConfig  # noqa: E402
+from batchjob.contract import ClipJob, ClipMetadata, EngineClip, Question  # noqa: E402
+from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = TinyModelSpec(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256, vision_hidden=64,
+                     vision_heads=2, seed=11)
+TOL = 1e-3
+# Frame sizes on the checkpoint's pixel bounds (28*28*4 .. 28*28*16): as they are, or resized by the processor.
+NO_RESIZE = [(56, 84), (84, 112), (56, 56), (112, 56)]
+RESIZE = [(100, 150), (70, 98), (45, 200), (130, 90)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-hd32"), SPEC)
+
+
+def make_clips(rng: np.random.Generator, sizes, tag: str) -> list[EngineClip]:
+    clips = []
+    for i, (h, w) in enumerate(sizes):
+        n = int(rng.choice([2, 4]))
+        indices = np.cumsum(rng.integers(3, 8, n)) - 3
+        total = int(indices[-1]) + int(rng.integers(1, 5))
+        meta = ClipMetadata(total_num_frames=total, fps=30.0, duration=total / 30.0, video_backend="synthetic",
+                            frames_indices=tuple(int(x) for x in indices), do_sample_frames=False,
+                            extra={"keyframe_source": "synthetic"})   # an extra key vLLM must never see
+        questions = tuple(Question(f"{tag}{i}q{j}", f"What happens in clip {i}, question {j}?",
+                                   tuple(f"option {k} {rng.integers(0, 99)}" for k in range(int(rng.integers(2, 6)))))
+                          for j in range(2))
+        frames = rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8)
+        clips.append(EngineClip(ClipJob(f"{tag}{i}.mp4", f"{tag}{i}|{h}x{w}", questions), meta, frames))
+    return clips
+
+
+def transformers_probs(checkpoint: Path, clips: list[EngineClip], prompts) -> dict[str, np.ndarray]:
+    """One request at a time through transformers: its video processor's pixels, the model's own forward."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    torch.set_grad_enabled(False)
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    video_id = model.config.video_token_id
+    out = {}
+    for clip in clips:
+        m = clip.metadata
+        vmeta = VideoMetadata(total_num_frames=m.total_num_frames, fps=m.fps, frames_indices=list(m.frames_indices))
+        video = processor.video_processor(videos=[clip.payload], video_metadata=[vmeta], do_sample_frames=False,
+                                          return_tensors="pt")
+        grid = video["video_grid_thw"]
+        num_tokens = int(grid.prod()) // processor.video_processor.merge_size ** 2
+        spg = processor.video_processor.temporal_patch_size / vmeta.sampled_fps
+        for q in clip.job.questions:
+            ids = prompts.token_ids(q.text, q.options, num_tokens)
+            ids_t = torch.tensor([ids.tolist()])
+            logits = model(input_ids=ids_t, pixel_values_videos=video["pixel_values_videos"], video_grid_thw=grid,
+                           second_per_grid_ts=torch.tensor([spg]),
+                           mm_token_type_ids=(ids_t == video_id).to(torch.int32) * 2).logits[0, -1].double()
+            chosen = logits[prompts.option_token_ids(len(q.options))]
+            out[q.row_id] = torch.softmax(chosen, 0).numpy()
+    return out
+
+
+def test_vllm_matches_the_mlx_engine_and_transformers(checkpoint):
+    from batchjob.pipeline.mlx_engine import MlxEngine
+    from batchjob.pipeline.vllm_engine import VllmEngine
+
+    seed = int(os.environ.get("BATCHJOB_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"BATCHJOB_TEST_SEED={seed}")
+    rng = np.random.default_rng(seed)
+    clips = make_clips(rng, NO_RESIZE, "plain") + make_clips(rng, RESIZE, "resized")
+    prompt = PromptConfig()
+    mlx = MlxEngine.load(ModelConfig(checkpoint=str(checkpoint), dtype="float32", max_model_len=4096,
+                                     memory_budget_gb=1.0), prompt)
+    vllm = VllmEngine.load(ModelConfig(checkpoint=str(checkpoint), engine="vllm", dtype="float32",
+                                       vllm=VllmConfig(max_model_len=4096, enforce_eager=True)), prompt)
+    by_mlx = {a.row_id: a for a in mlx.answer(clips)}
+    by_vllm = {a.row_id: a for a in vllm.answer(clips)}
+    by_hf = transformers_probs(checkpoint, clips, vllm.prompts)
+    report = {}
+    for kind in ("plain", "resized"):
+        rows = [q.row_id for c in clips for q in c.job.questions if q.row_id.startswith(kind)]
+        assert all(by_vllm[r].error is None and by_mlx[r].error is None for r in rows)
+        diff = lambda a, b: max(float(np.abs(np.asarray(a[r]) - np.asarray(b[r])).max()) for r in rows)  # noqa: E731
+        p_vllm = {r: by_vllm[r].probs for r in rows}
+        p_mlx = {r: by_mlx[r].probs for r in rows}
+        report[kind] = {"requests": len(rows), "vllm_vs_transformers": diff(p_vllm, by_hf),
+                        "vllm_vs_mlx": diff(p_vllm, p_mlx), "mlx_vs_transformers": diff(p_mlx, by_hf),
+                        "spread": max(float(np.ptp(by_hf[r])) for r in rows)}
+    print(json.dumps(report, indent=1))
+    for kind, figures in report.items():
+        assert figures["requests"] >= 8
+        assert figures["spread"] > 0.02, f"{kind}: near-uniform options would make the comparison weak"
+        assert figures["vllm_vs_transformers"] < TOL, (kind, figures)
+    assert report["plain"]["vllm_vs_mlx"] < TOL and report["plain"]["mlx_vs_transformers"] < TOL, report
+    assert report["resized"]["vllm_vs_mlx"] < TOL and report["resized"]["mlx_vs_transformers"] < TOL, report
+    # Prefix caching: the second question about a clip reuses its video prefix.
+    assert any(by_vllm[c.job.questions[1].row_id].cached_tokens > 0 for c in clips)
+    # Answers follow the probabilities; token counts agree with the MLX engine's prompt.
+    for r, a in by_vllm.items():
+        assert a.choice == int(np.argmax(a.probs)) and abs(sum(a.probs) - 1) < 1e-9
+        assert a.prompt_tokens == by_mlx[r].prompt_tokens
+
+
+def _write_job(path: Path, data: Path, checkpoint: Path, out: Path, engine: str) -> Path:
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    cfg["dataset"].update(annotation=str(data / "manifest.jsonl"), video_root=str(data / "clips"))
+    cfg["model"].update(checkpoint=str(checkpoint), engine=engine)
+    if engine == "vllm":
+        cfg["model"]["vllm"] = {"max_model_len": 4096, "enforce_eager": True}
+    cfg["output"].update(directory=str(out), rows_per_part=8)
+    cfg["runtime"].update(decode_cpus=0.5, engine_cpus=1)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run([sys.executable, "-m", "batchjob.cli", *args], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_batchjob_run_with_vllm_writes_the_mlx_engines_rows(tmp_path, checkpoint):
+    from batchjob.demo import build_synthetic_dataset
+    from batchjob.pipeline.output import read_output
+
+    data = tmp_path / "data"
+    manifest, clips = build_synthetic_dataset(data, num_clips=5, seconds=(0.8, 2.5),
+                                              seed=int(np.random.SeedSequence().entropy % 2**31))
+    # error rows: a corrupt clip and a missing one
+    (data / "clips" / "corrupt.mp4").write_bytes(b"\x00not a video" * 100)
+    records = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+    bad = [{**records[0], "id": "bad-corrupt", "video": "corrupt.mp4"},
+           {**records[0], "id": "bad-missing", "video": "missing.mp4"}]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in records + bad))
+    tables = {}
+    for engine in ("mlx", "vllm"):
+        out = tmp_path / f"out-{engine}"
+        job = _write_job(tmp_path / f"{engine}.yaml", data, checkpoint, out, engine)
+        if engine == "vllm":   # resume: a partial run first, then the rest
+            res = _run("run", str(job), "--limit", "4")
+            assert res.returncode in (0, 1), res.stderr[-3000:]
+        res = _run("run", str(job))
+        assert res.returncode in (0, 1), res.stderr[-3000:]   # 1: error rows above the job's threshold
+        tables[engine] = {r["row_id"]: r for r in read_output(out).to_pylist()}
+    mlx, vllm = tables["mlx"], tables["vllm"]
+    assert sorted(mlx) == sorted(vllm) == sorted(r["id"] for r in records + bad)   # every row exactly once
+    for row_id, a in mlx.items():
+        b = vllm[row_id]
+        for key in ("video", "question", "options", "answer", "frame_indices", "error", "loader", "num_frames"):
+            assert a[key] == b[key] or (key == "error" and a[key] and b[key]), (row_id, key, a[key], b[key])
+        if a["error"]:
+            assert a["probs"] is None and b["probs"] is None and b["pred_index"] is None
+            continue
+        pa, pb = np.array(a["probs"]), np.array(b["probs"])
+        assert np.abs(pa - pb).max() < TOL, (row_id, pa, pb)
+        if a["pred_index"] != b["pred_index"]:   # only within TOL of a tie
+            top = np.sort(pa)[-2:]
+            assert top[1] - top[0] < 2 * TOL, (row_id, pa, pb)
+        assert a["prompt_tokens"] == b["prompt_tokens"]
+    assert {vllm[r]["error"].split(":")[0] for r in ("bad-corrupt", "bad-missing")} == {"decode failed"}
+    shutil.rmtree(tmp_path / "data" / "clips", ignore_errors=True)
