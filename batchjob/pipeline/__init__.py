@@ -1,8 +1,9 @@
 """The job runtime: dataset rows -> Ray decode actors -> engine actor(s) -> resumable Parquet output.
 
 Modules: `work` (pure logic: clips, rows), `output` (atomic parts, resume, lock), `actors` (Ray actors),
-`driver` (bounded streaming loop), `engines` (engine registry / plugin seam), `ray_runtime` (local or
-cluster Ray), `job` (one run from config to output), `report` (summary from the Parquet alone).
+`workers` (the driver's seam to them), `driver` (bounded streaming loop), `engines` (engine registry / plugin
+seam), `mlx_engine` and `vllm_engine` (the two engines behind `batchjob.contract.Engine`), `ray_runtime`
+(local or cluster Ray), `job` (one run from config to output), `report` (summary from the Parquet alone).
 Ray is imported lazily so `validate` and `report` work without starting it.
 """
 from batchjob.pipeline.driver import RunStats
