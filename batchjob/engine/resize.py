@@ -1,17 +1,19 @@
-"""Frame resize as transformers' *video* processor does it (torchvision), in numpy.
+"""Frame resize as transformers' *video* processor does it (torchvision on uint8 frames), in numpy.
 
-Qwen2-VL's video processor resizes uint8 frames with torchvision: antialiased bicubic (PyTorch's AA kernel,
-a = -0.5 like PIL's), both passes in float32, clamped and rounded to uint8 once at the end. PIL (what the
-image processor uses) works in fixed point and rounds to uint8 between its two passes, which moved pixels
-by up to 0.03 after normalisation and option probabilities by up to 1.3e-2 against vLLM and transformers
-on resized clips. Matching the video processor keeps the MLX engine on the pixels a vLLM or transformers
-user gets, without importing torch.
+Qwen2-VL's video processor resizes uint8 frames with torchvision: antialiased bicubic (a = -0.5), which on
+uint8 runs PyTorch's separable fixed-point path: a horizontal pass, rounded and clipped to uint8, then a
+vertical pass, with the weights quantised to int16 at a per-axis precision. PIL's resize (the image
+processor's) is the same filter but rounds differently, and a float resize lets bicubic overshoot survive
+between passes (up to 15 levels on busy frames); either moved option probabilities by several 1e-3 against
+vLLM and transformers on resized clips. This reproduces the fixed-point path, so the MLX engine sees the
+pixels a vLLM or transformers user gets, without importing torch.
 """
 from __future__ import annotations
 
 import numpy as np
 
-CUBIC_A = -0.5   # PyTorch's antialiased bicubic (as PIL); its plain bicubic uses -0.75
+CUBIC_A = -0.5       # PyTorch's antialiased bicubic (as PIL's); its plain bicubic uses -0.75
+MAX_PRECISION = 22   # PyTorch's bound on the fixed-point weight precision
 
 
 def _cubic(x: np.ndarray) -> np.ndarray:
@@ -22,31 +24,57 @@ def _cubic(x: np.ndarray) -> np.ndarray:
     return np.where(x < 1, near, np.where(x < 2, far, 0.0))
 
 
-def aa_weights(in_size: int, out_size: int) -> np.ndarray:
-    """[out_size, in_size] antialiased bicubic weights (PyTorch's `_compute_indices_weights_aa` scheme:
-    the kernel is stretched by the downscale factor, each row's weights normalised to sum 1)."""
+def aa_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices [out, K], float64 weights [out, K]) of the antialiased bicubic filter: the kernel is
+    stretched by the downscale factor and each output's weights are normalised to sum 1 (PyTorch's and
+    PIL's scheme). Unused taps point at index 0 with weight 0."""
     scale = in_size / out_size
     support_scale = max(scale, 1.0)
     support = 2.0 * support_scale
-    weights = np.zeros((out_size, in_size), dtype=np.float64)
+    rows = []
     for i in range(out_size):
         center = scale * (i + 0.5)
         lo = max(int(center - support + 0.5), 0)
         hi = min(int(center + support + 0.5), in_size)
-        taps = _cubic((np.arange(lo, hi) - center + 0.5) / support_scale)
-        total = taps.sum()
-        weights[i, lo:hi] = taps / total if total != 0 else taps
-    return weights
+        w = _cubic((np.arange(lo, hi) - center + 0.5) / support_scale)
+        total = w.sum()
+        rows.append((lo, w / total if total != 0 else w))
+    k = max(len(w) for _, w in rows)
+    index, weight = np.zeros((out_size, k), np.int64), np.zeros((out_size, k), np.float64)
+    for i, (lo, w) in enumerate(rows):
+        index[i, :len(w)] = np.arange(lo, lo + len(w))
+        weight[i, :len(w)] = w
+    return index, weight
+
+
+def _fixed_point(weight: np.ndarray) -> tuple[np.ndarray, int]:
+    """int16-range weights and their precision: the most bits that keep 2 * max weight under 2**15."""
+    w_max = float(weight.max())
+    precision = 0
+    while precision < MAX_PRECISION and int(0.5 + w_max * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    scaled = weight * (1 << precision)
+    return np.where(weight < 0, (-0.5 + scaled).astype(np.int64), (0.5 + scaled).astype(np.int64)), precision
+
+
+def _pass(x: np.ndarray, out_size: int) -> np.ndarray:
+    """One separable pass along axis 0 of a uint8 array, in fixed point, rounded and clipped to uint8.
+    Axis 0 so that each tap gathers whole contiguous slabs; int32 accumulation is exact (|255 * weight| <
+    2**23 per tap, a few dozen taps at most)."""
+    index, weight = aa_taps(x.shape[0], out_size)
+    coef, precision = _fixed_point(weight)
+    coef = coef.astype(np.int32).reshape(out_size, -1, *([1] * (x.ndim - 1)))
+    acc = np.full((out_size, *x.shape[1:]), 1 << (precision - 1), np.int32)
+    for k in range(index.shape[1]):        # one tap at a time: memory stays at one output-sized array
+        acc += x[index[:, k]].astype(np.int32) * coef[:, k]
+    return np.clip(acc >> precision, 0, 255).astype(np.uint8)
 
 
 def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     """uint8 [T, H, W, C] -> uint8 [T, height, width, C], as torchvision resizes a uint8 video."""
-    t, h, w, c = frames.shape
-    if (h, w) == (height, width):
-        return frames
-    wh = aa_weights(h, height).astype(np.float32)
-    ww = aa_weights(w, width).astype(np.float32)
-    x = frames.astype(np.float32)
-    x = np.einsum("ow,thwc->thoc", ww, x, optimize=True)      # horizontal pass first, as PyTorch does
-    x = np.einsum("oh,thwc->towc", wh, x, optimize=True)
-    return np.round(np.clip(x, 0, 255)).astype(np.uint8)
+    out = frames
+    if frames.shape[2] != width:         # horizontal first, as PyTorch (and PIL) do
+        out = np.ascontiguousarray(_pass(np.ascontiguousarray(out.transpose(2, 0, 1, 3)), width).transpose(1, 2, 0, 3))
+    if frames.shape[1] != height:
+        out = np.ascontiguousarray(_pass(np.ascontiguousarray(out.transpose(1, 0, 2, 3)), height).transpose(1, 0, 2, 3))
+    return out

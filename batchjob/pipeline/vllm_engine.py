@@ -135,17 +135,9 @@ class VllmEngine(EngineBase):
         return Answer(q.row_id, int(np.argmax(probs)), tuple(probs.tolist()), len(out.prompt_token_ids),
                       int(out.num_cached_tokens or 0))
 
-    def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:
-        answers: dict[str, Answer] = {}
-        todo: list[tuple[Question, dict, Any]] = []
-        for clip in clips:
-            for q in clip.job.questions:
-                try:
-                    prompt, params = self._request(clip, q)
-                except ValueError as err:   # this question's own problem (options, frames)
-                    answers[q.row_id] = Answer(q.row_id, None, error=str(err))
-                    continue
-                todo.append((q, prompt, params))
+    def _generate(self, todo: list[tuple[Question, dict, Any]], answers: dict[str, Answer]) -> None:
+        if not todo:
+            return
         try:
             outs = self.llm.generate([p for _, p, _ in todo], [s for _, _, s in todo], use_tqdm=False)
             pairs = list(zip([q for q, _, _ in todo], outs))
@@ -163,5 +155,20 @@ class VllmEngine(EngineBase):
                 answers[q.row_id] = self._answer(q, out)
             except (KeyError, ValueError, TypeError, IndexError) as err:
                 answers[q.row_id] = Answer(q.row_id, None, error=f"no option log-probs from vLLM: {err!r}")
-        return [answers[q.row_id] for c in clips for q in c.job.questions]
 
+    def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:
+        """Two waves: each clip's first question, then the rest. Requests prefilled in the same step share
+        no KV, so the second wave is what finds each clip's video prefix in vLLM's prefix cache."""
+        answers: dict[str, Answer] = {}
+        waves: list[list[tuple[Question, dict, Any]]] = [[], []]
+        for clip in clips:
+            for i, q in enumerate(clip.job.questions):
+                try:
+                    prompt, params = self._request(clip, q)
+                except ValueError as err:   # this question's own problem (options, frames)
+                    answers[q.row_id] = Answer(q.row_id, None, error=str(err))
+                    continue
+                waves[min(i, 1)].append((q, prompt, params))
+        for wave in waves:
+            self._generate(wave, answers)
+        return [answers[q.row_id] for c in clips for q in c.job.questions]

@@ -20,21 +20,23 @@ import pytest
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="needs a real vLLM: run in the environment scripts/vllm_env.sh builds")
 pytest.importorskip("mlx.core", reason="compares with the MLX engine: install the mlx extra in the vLLM environment")
-torch = pytest.importorskip("torch")
+pytest.importorskip("torchvision", reason="the transformers reference uses its video processor (torchvision)")
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # one process: a tiny model starts in seconds
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-from batchjob.config import ModelConfig, PromptConfig, VllmConfig  # noqa: E402
 from batchjob.contract import ClipJob, ClipMetadata, EngineClip, Question  # noqa: E402
 from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_probe import save_clips  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 SPEC = TinyModelSpec(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256, vision_hidden=64,
                      vision_heads=2, seed=11)
 TOL = 1e-3
 # Frame sizes on the checkpoint's pixel bounds (28*28*4 .. 28*28*16): as they are, or resized by the processor.
-NO_RESIZE = [(56, 84), (84, 112), (56, 56), (112, 56)]
+# The last one is long enough (16 frames at the pixel cap) to fill a whole KV block on vLLM's CPU backend
+# (block size 128), so its second question must find the video prefix in the prefix cache.
+NO_RESIZE = [(56, 84), (84, 112), (56, 56), (112, 56), (112, 112, 16)]
 RESIZE = [(100, 150), (70, 98), (45, 200), (130, 90)]
 
 
@@ -45,9 +47,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 def make_clips(rng: np.random.Generator, sizes, tag: str) -> list[EngineClip]:
     clips = []
-    for i, (h, w) in enumerate(sizes):
-        n = int(rng.choice([2, 4]))
-        indices = np.cumsum(rng.integers(3, 8, n)) - 3
+    for i, (h, w, *frames) in enumerate(sizes):
+        n = frames[0] if frames else int(rng.choice([2, 4]))
+        indices = np.cumsum(rng.integers(1, 4, n)) - 1
         total = int(indices[-1]) + int(rng.integers(1, 5))
         meta = ClipMetadata(total_num_frames=total, fps=30.0, duration=total / 30.0, video_backend="synthetic",
                             frames_indices=tuple(int(x) for x in indices), do_sample_frames=False,
@@ -60,74 +62,43 @@ def make_clips(rng: np.random.Generator, sizes, tag: str) -> list[EngineClip]:
     return clips
 
 
-def transformers_probs(checkpoint: Path, clips: list[EngineClip], prompts) -> dict[str, np.ndarray]:
-    """One request at a time through transformers: its video processor's pixels, the model's own forward."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-    from transformers.video_utils import VideoMetadata
-
-    torch.set_grad_enabled(False)
-    processor = AutoProcessor.from_pretrained(checkpoint)
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    video_id = model.config.video_token_id
-    out = {}
-    for clip in clips:
-        m = clip.metadata
-        vmeta = VideoMetadata(total_num_frames=m.total_num_frames, fps=m.fps, frames_indices=list(m.frames_indices))
-        video = processor.video_processor(videos=[clip.payload], video_metadata=[vmeta], do_sample_frames=False,
-                                          return_tensors="pt")
-        grid = video["video_grid_thw"]
-        num_tokens = int(grid.prod()) // processor.video_processor.merge_size ** 2
-        spg = processor.video_processor.temporal_patch_size / vmeta.sampled_fps
-        for q in clip.job.questions:
-            ids = prompts.token_ids(q.text, q.options, num_tokens)
-            ids_t = torch.tensor([ids.tolist()])
-            logits = model(input_ids=ids_t, pixel_values_videos=video["pixel_values_videos"], video_grid_thw=grid,
-                           second_per_grid_ts=torch.tensor([spg]),
-                           mm_token_type_ids=(ids_t == video_id).to(torch.int32) * 2).logits[0, -1].double()
-            chosen = logits[prompts.option_token_ids(len(q.options))]
-            out[q.row_id] = torch.softmax(chosen, 0).numpy()
-    return out
+def answers(kind: str, checkpoint: Path, directory: Path) -> dict:
+    res = subprocess.run([sys.executable, str(HERE / "engine_probe.py"), kind, str(checkpoint), str(directory)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads((directory / f"{kind}.json").read_text())
 
 
-def test_vllm_matches_the_mlx_engine_and_transformers(checkpoint):
-    from batchjob.pipeline.mlx_engine import MlxEngine
-    from batchjob.pipeline.vllm_engine import VllmEngine
-
+def test_vllm_matches_the_mlx_engine_and_transformers(checkpoint, tmp_path):
     seed = int(os.environ.get("BATCHJOB_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
     print(f"BATCHJOB_TEST_SEED={seed}")
     rng = np.random.default_rng(seed)
     clips = make_clips(rng, NO_RESIZE, "plain") + make_clips(rng, RESIZE, "resized")
-    prompt = PromptConfig()
-    mlx = MlxEngine.load(ModelConfig(checkpoint=str(checkpoint), dtype="float32", max_model_len=4096,
-                                     memory_budget_gb=1.0), prompt)
-    vllm = VllmEngine.load(ModelConfig(checkpoint=str(checkpoint), engine="vllm", dtype="float32",
-                                       vllm=VllmConfig(max_model_len=4096, enforce_eager=True)), prompt)
-    by_mlx = {a.row_id: a for a in mlx.answer(clips)}
-    by_vllm = {a.row_id: a for a in vllm.answer(clips)}
-    by_hf = transformers_probs(checkpoint, clips, vllm.prompts)
+    save_clips(tmp_path, clips)
+    by = {kind: answers(kind, checkpoint, tmp_path) for kind in ("mlx", "vllm", "transformers")}
     report = {}
     for kind in ("plain", "resized"):
         rows = [q.row_id for c in clips for q in c.job.questions if q.row_id.startswith(kind)]
-        assert all(by_vllm[r].error is None and by_mlx[r].error is None for r in rows)
-        diff = lambda a, b: max(float(np.abs(np.asarray(a[r]) - np.asarray(b[r])).max()) for r in rows)  # noqa: E731
-        p_vllm = {r: by_vllm[r].probs for r in rows}
-        p_mlx = {r: by_mlx[r].probs for r in rows}
-        report[kind] = {"requests": len(rows), "vllm_vs_transformers": diff(p_vllm, by_hf),
-                        "vllm_vs_mlx": diff(p_vllm, p_mlx), "mlx_vs_transformers": diff(p_mlx, by_hf),
-                        "spread": max(float(np.ptp(by_hf[r])) for r in rows)}
+        assert all(by[e][r]["error"] is None for e in by for r in rows), {e: by[e][r]["error"] for e in by for r in rows}
+
+        def diff(a: str, b: str) -> float:
+            return max(float(np.abs(np.subtract(by[a][r]["probs"], by[b][r]["probs"])).max()) for r in rows)
+
+        report[kind] = {"requests": len(rows), "vllm_vs_transformers": diff("vllm", "transformers"),
+                        "vllm_vs_mlx": diff("vllm", "mlx"), "mlx_vs_transformers": diff("mlx", "transformers"),
+                        "spread": max(float(np.ptp(by["transformers"][r]["probs"])) for r in rows)}
     print(json.dumps(report, indent=1))
     for kind, figures in report.items():
         assert figures["requests"] >= 8
         assert figures["spread"] > 0.02, f"{kind}: near-uniform options would make the comparison weak"
-        assert figures["vllm_vs_transformers"] < TOL, (kind, figures)
-    assert report["plain"]["vllm_vs_mlx"] < TOL and report["plain"]["mlx_vs_transformers"] < TOL, report
-    assert report["resized"]["vllm_vs_mlx"] < TOL and report["resized"]["mlx_vs_transformers"] < TOL, report
+        for pair in ("vllm_vs_transformers", "vllm_vs_mlx", "mlx_vs_transformers"):
+            assert figures[pair] < TOL, (kind, pair, figures)
+    vllm, mlx = by["vllm"], by["mlx"]
     # Prefix caching: the second question about a clip reuses its video prefix.
-    assert any(by_vllm[c.job.questions[1].row_id].cached_tokens > 0 for c in clips)
-    # Answers follow the probabilities; token counts agree with the MLX engine's prompt.
-    for r, a in by_vllm.items():
-        assert a.choice == int(np.argmax(a.probs)) and abs(sum(a.probs) - 1) < 1e-9
-        assert a.prompt_tokens == by_mlx[r].prompt_tokens
+    long_clip = clips[len(NO_RESIZE) - 1].job.questions
+    assert vllm[long_clip[0].row_id]["cached_tokens"] == 0 < vllm[long_clip[1].row_id]["cached_tokens"], long_clip
+    for r, a in vllm.items():   # the same prompt as the MLX engine's, probabilities over the options only
+        assert abs(sum(a["probs"]) - 1) < 1e-9 and a["prompt_tokens"] == mlx[r]["prompt_tokens"]
 
 
 def _write_job(path: Path, data: Path, checkpoint: Path, out: Path, engine: str) -> Path:
