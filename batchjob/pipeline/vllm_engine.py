@@ -49,10 +49,25 @@ def llm_kwargs(model: ModelConfig) -> dict[str, Any]:
         kwargs["max_model_len"] = settings.max_model_len
     if settings.max_num_seqs is not None:
         kwargs["max_num_seqs"] = settings.max_num_seqs
-    size = {k: v for k, v in (("shortest_edge", model.min_pixels), ("longest_edge", model.max_pixels)) if v}
+    size = pixel_bounds(model)
     if size:
         kwargs["mm_processor_kwargs"] = {"size": size}
     return kwargs
+
+
+def pixel_bounds(model: ModelConfig) -> dict[str, int]:
+    """`model.min_pixels` / `max_pixels` as the video processor's `size` override. transformers' resize
+    needs both edges once either is given, so the other comes from the checkpoint's processor config."""
+    if model.min_pixels is None and model.max_pixels is None:
+        return {}
+    lo, hi = model.min_pixels, model.max_pixels
+    path = Path(model.checkpoint)
+    if path.is_dir():
+        from batchjob.engine.preprocess import load_vision_settings
+
+        settings = load_vision_settings(path, lo, hi)
+        lo, hi = settings.min_pixels, settings.max_pixels
+    return {k: int(v) for k, v in (("shortest_edge", lo), ("longest_edge", hi)) if v is not None}
 
 
 def option_probs(logprobs: dict[int, Any], option_ids: Sequence[int]) -> np.ndarray:
