@@ -177,7 +177,8 @@ class EngineBase:
     """Defaults for an engine plugin: constructed as `cls(model, prompt)`, frames only, no torch hiding."""
 
     hides_torch = False
-    name = "plugin"
+    name = "plugin"          # what `describe` reports as the engine
+    model_id: str = "unknown"
 
     @classmethod
     def load(cls, model: "ModelConfig", prompt: "PromptConfig") -> "Engine":
@@ -190,8 +191,6 @@ class EngineBase:
     @classmethod
     def check(cls, model: "ModelConfig", prompt: "PromptConfig") -> None:
         return None
-
-    model_id: str = "unknown"
 
     def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:
         raise NotImplementedError

@@ -135,20 +135,20 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         # Who answered goes into every part's metadata (next to the config and versions).
         engine_info = {"engine": described[0].engine, "model_id": described[0].model_id,
                        **dict(described[0].details)}
-        writer = PartWriter(out_dir, {**manifest, "fingerprint": fingerprint, "engine": engine_info},
-                            cfg.output.rows_per_part, cfg.output.flush_seconds)
+        writer = parts = PartWriter(out_dir, {**manifest, "fingerprint": fingerprint, "engine": engine_info},
+                                    cfg.output.rows_per_part, cfg.output.flush_seconds)
         if _terminate.is_set():          # SIGTERM while the model loaded
             raise JobTerminated()
 
         def progress(s: RunStats) -> None:
             if _terminate.is_set():
                 raise JobTerminated()
-            writer.maybe_flush()  # type: ignore[union-attr]
+            parts.maybe_flush()
             s.wall_s = time.perf_counter() - t0
             if on_progress:
                 on_progress(s)
 
-        Driver(cfg, RayWorkers(decoders, engines), stats.model, writer.add, stats, progress, started_at).run(clips)
+        Driver(cfg, RayWorkers(decoders, engines), stats.model, parts.add, stats, progress, started_at).run(clips)
     finally:
         if writer is not None:
             writer.flush()   # finished rows are complete rows: keep them even when the run fails
