@@ -54,6 +54,7 @@ def test_run_report_resume_and_fingerprint(tmp_path, h, synthetic, isolated_netw
         assert pf.schema_arrow.remove_metadata().equals(SCHEMA)
         meta = json.loads(pf.schema_arrow.metadata[b"batchjob"])
         assert meta["config"]["loader"]["num_frames"] == 4 and "pyarrow" in meta["versions"]
+        assert meta["engine"] == {"engine": "plugin", "model_id": "deterministic-test"}   # Engine.describe()
 
     rep = h.run_cli("report", str(out), "--json")
     assert rep.returncode == 0, rep.stderr
