@@ -46,7 +46,8 @@ fi
 STAMP="$VENV/.batchjob-stamp"
 WANT="$(hash_of "$ROOT/pyproject.toml") $ROOT"
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
-    pip_install -e "$ROOT[test,opencv]" "torch==2.13.0"
+    # pytest-asyncio: vLLM's own connector tests (scripts/vllm_tests.sh) are async.
+    pip_install -e "$ROOT[test,opencv]" "pytest-asyncio>=1,<2" "torch==2.13.0"
     echo "$WANT" > "$STAMP"
 fi
 echo "$VENV"

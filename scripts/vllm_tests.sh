@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The vLLM tests, in the separate vLLM environment (scripts/vllm_env.sh builds it):
+#  1. ours: tests marked `vllm` (plugin-only processes, frames/metadata against load_video, fps counts
+#     against vLLM's own loader);
+#  2. vLLM 0.32.0's own video-loader tests from its source package, once per batchjob loader, with the
+#     loader in the place of vLLM's default one (tests/vllm/suite_adapter.py); the cases that differ by
+#     design are listed with their reasons in tests/vllm/EXPECTED_DIFFERENCES.md.
+# Fails when any test fails. Extra arguments go to every pytest call.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VLLM_VERSION="0.32.0"
+VENV="$("$ROOT/scripts/vllm_env.sh")"
+PY="$VENV/bin/python"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_TARGET_DEVICE=cpu
+
+SDIST="$VENV/.cache/vllm-$VLLM_VERSION.tar.gz"
+[[ -f "$SDIST" ]] || "$PY" "$ROOT/tests/vllm/fetch_vllm_sdist.py" "$VLLM_VERSION" "$SDIST"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+tar -xzf "$SDIST" -C "$WORK" --strip-components=1 "vllm-$VLLM_VERSION/tests/multimodal"
+cp "$ROOT/tests/vllm/suite_adapter.py" "$WORK/tests/conftest.py"
+printf '[pytest]\naddopts = -ra -p no:cacheprovider\nasyncio_mode = auto\nmarkers =\n    cpu_test\n    core_model\n' \
+    > "$WORK/tests/pytest.ini"
+
+cd "$ROOT"
+status=0
+"$ROOT/scripts/netns.sh" "$PY" -m pytest tests/vllm -m vllm -p no:cacheprovider "$@" || status=1
+export BATCHJOB_SUITE_DIFFERENCES="$ROOT/tests/vllm/EXPECTED_DIFFERENCES.md"
+for loader in pyav_keyframes pyav_adaptive batchjob_opencv; do
+    echo "== vLLM $VLLM_VERSION video-loader tests against $loader"
+    (cd "$WORK/tests" && BATCHJOB_SUITE_LOADER="$loader" "$ROOT/scripts/netns.sh" "$PY" -m pytest -c pytest.ini \
+        --rootdir . multimodal/test_video.py multimodal/media/test_video.py multimodal/media/test_connector.py \
+        -k "video or Video" "$@") || status=1
+done
+exit $status
