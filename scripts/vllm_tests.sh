@@ -5,6 +5,7 @@
 #  2. vLLM 0.32.0's own video-loader tests from its source package, once per batchjob loader, with the
 #     loader in the place of vLLM's default one (tests/vllm/suite_adapter.py); the cases that differ by
 #     design are listed with their reasons in tests/vllm/EXPECTED_DIFFERENCES.md.
+# Both run in a loopback-only network namespace (scripts/netns.sh), like the main tests.
 # Fails when any test fails. Extra arguments go to every pytest call. BATCHJOB_SUITE_LOADERS picks the
 # loaders for part 2 (default: all three); BATCHJOB_VLLM_OURS=0 skips part 1.
 set -euo pipefail
@@ -40,10 +41,7 @@ if [[ "${BATCHJOB_VLLM_OURS:-1}" == 1 ]]; then
     "$ROOT/scripts/netns.sh" "$PY" -m pytest tests/vllm -m vllm -p no:cacheprovider "$@" || status=1
 fi
 export BATCHJOB_SUITE_DIFFERENCES="$ROOT/tests/vllm/EXPECTED_DIFFERENCES.md"
-for loader in ${BATCHJOB_SUITE_LOADERS:-pyav_keyframes pyav_adaptive batchjob_opencv}; do
-    echo "== vLLM $VLLM_VERSION video-loader tests against $loader"
-    (cd "$WORK/tests" && BATCHJOB_SUITE_LOADER="$loader" "$ROOT/scripts/netns.sh" "$PY" -m pytest -c pytest.ini \
-        --rootdir . multimodal/test_video.py multimodal/media/test_video.py multimodal/media/test_connector.py \
-        -k "video or Video" "$@") || status=1
-done
+echo "== vLLM $VLLM_VERSION's video-loader tests, each run against ${BATCHJOB_SUITE_LOADERS:-every batchjob loader}"
+(cd "$WORK/tests" && "$ROOT/scripts/netns.sh" "$PY" -m pytest -c pytest.ini --rootdir . multimodal/test_video.py \
+    multimodal/media/test_video.py multimodal/media/test_connector.py -k "video or Video" "$@") || status=1
 exit $status

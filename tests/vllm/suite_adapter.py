@@ -1,11 +1,12 @@
-"""conftest for vLLM's own video-loader tests, pointed at one batchjob loader (scripts/vllm_tests.sh).
+"""conftest for vLLM's own video-loader tests, pointed at batchjob's loaders (scripts/vllm_tests.sh).
 
 scripts/vllm_tests.sh unpacks tests/multimodal from vLLM's source package into a temporary directory and
 installs this file there as tests/conftest.py (vLLM's own top-level conftest needs its whole test stack).
-The loader under test ($BATCHJOB_SUITE_LOADER) takes the place of vLLM's default `opencv` loader, the one
-the tests load by name and that `VideoMediaIO` uses when no backend is named: that is where a user swaps
-in our loader. Every test then runs; the ones whose expectations differ by design, or that need what CI
-lacks (network), are marked from tests/vllm/EXPECTED_DIFFERENCES.md, each with its reason there.
+Every test runs once per loader in $BATCHJOB_SUITE_LOADERS (default: all three), with that loader in the
+place of vLLM's default `opencv` loader: the one the tests load by name and that `VideoMediaIO` uses when
+no backend is named, i.e. where a user swaps in our loader. One session for all loaders: vLLM is
+imported once. Tests whose expectations differ by design, or that need what CI lacks (network), are
+marked from tests/vllm/EXPECTED_DIFFERENCES.md, each with its reason there.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-LOADER = os.environ["BATCHJOB_SUITE_LOADER"]
+LOADERS = os.environ.get("BATCHJOB_SUITE_LOADERS", "pyav_keyframes pyav_adaptive batchjob_opencv").split()
 DIFFERENCES = Path(os.environ["BATCHJOB_SUITE_DIFFERENCES"])
 ROW = re.compile(r"^\|\s*(xfail|skip)\s*\|\s*([^|]+?)\s*\|\s*`([^`]+)`\s*\|\s*(.+?)\s*\|\s*$")
+_vllm_default: dict[str, type] = {}
 
 
 def expected_differences() -> list[tuple[str, set[str], str, str]]:
@@ -40,21 +42,38 @@ def pytest_configure(config):
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()  # what every vLLM process does: our entry point registers the loaders
-    if LOADER not in VIDEO_LOADER_REGISTRY.name2class:
-        raise pytest.UsageError(f"{LOADER!r} is not in vLLM's registry: is batchjob's plugin installed?")
-    VIDEO_LOADER_REGISTRY.name2class["opencv"] = VIDEO_LOADER_REGISTRY.name2class[LOADER]
+    missing = [name for name in LOADERS if name not in VIDEO_LOADER_REGISTRY.name2class]
+    if missing:
+        raise pytest.UsageError(f"{missing} not in vLLM's registry: is batchjob's plugin installed?")
+    _vllm_default["opencv"] = VIDEO_LOADER_REGISTRY.name2class["opencv"]
 
 
 def pytest_report_header(config):
-    return f"batchjob loader under test: {LOADER} (registered as vLLM's 'opencv')"
+    return f"batchjob loaders under test, each in the place of vLLM's 'opencv': {', '.join(LOADERS)}"
+
+
+def pytest_generate_tests(metafunc):
+    if "batchjob_loader" in metafunc.fixturenames:
+        metafunc.parametrize("batchjob_loader", LOADERS, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def batchjob_loader(request):
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+
+    name = request.param
+    VIDEO_LOADER_REGISTRY.name2class["opencv"] = VIDEO_LOADER_REGISTRY.name2class[name]
+    yield name
+    VIDEO_LOADER_REGISTRY.name2class["opencv"] = _vllm_default["opencv"]
 
 
 def pytest_collection_modifyitems(config, items):
     rows = expected_differences()
     for item in items:
+        loader = item.callspec.params["batchjob_loader"]
         for kind, loaders, pattern, reason in rows:
-            if ("all" in loaders or LOADER in loaders) and fnmatch.fnmatchcase(item.nodeid, pattern):
-                reason = f"[{LOADER}] {reason}"
+            if ("all" in loaders or loader in loaders) and fnmatch.fnmatchcase(item.nodeid, pattern):
+                reason = f"[{loader}] {reason}"
                 item.add_marker(pytest.mark.skip(reason=reason) if kind == "skip"
                                 else pytest.mark.xfail(reason=reason, strict=False))
                 break
