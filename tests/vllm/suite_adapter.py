@@ -20,7 +20,7 @@ import pytest
 
 LOADERS = os.environ.get("BATCHJOB_SUITE_LOADERS", "pyav_keyframes pyav_adaptive batchjob_opencv").split()
 DIFFERENCES = Path(os.environ["BATCHJOB_SUITE_DIFFERENCES"])
-ROW = re.compile(r"^\|\s*(xfail|skip)\s*\|\s*([^|]+?)\s*\|\s*`([^`]+)`\s*\|\s*(.+?)\s*\|\s*$")
+ROW = re.compile(r"^\|\s*(xfail|skip|once)\s*\|\s*([^|]+?)\s*\|\s*`([^`]+)`\s*\|\s*(.+?)\s*\|\s*$")
 _vllm_default: dict[str, type] = {}
 
 
@@ -69,11 +69,21 @@ def batchjob_loader(request):
 
 def pytest_collection_modifyitems(config, items):
     rows = expected_differences()
+    kept, dropped = [], []
     for item in items:
         loader = item.callspec.params["batchjob_loader"]
         for kind, loaders, pattern, reason in rows:
             if ("all" in loaders or loader in loaders) and fnmatch.fnmatchcase(item.nodeid, pattern):
+                if kind == "once":  # never looks up vLLM's default loader: one run is enough
+                    (kept if loader == LOADERS[0] else dropped).append(item)
+                    break
                 reason = f"[{loader}] {reason}"
                 item.add_marker(pytest.mark.skip(reason=reason) if kind == "skip"
                                 else pytest.mark.xfail(reason=reason, strict=False))
+                kept.append(item)
                 break
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
