@@ -7,6 +7,7 @@ delta frames, so draining is what keeps "keyframes only" literally true.
 
 from __future__ import annotations
 
+import av
 import numpy as np
 
 from batchjob.loaders.errors import CorruptVideo
@@ -56,6 +57,9 @@ def read_keyframe(container, stream, kf: Keyframe, label: str) -> tuple[np.ndarr
     shown before it is decoded), so a short demux-only walk finds them all. Pictures before a keyframe in
     decode order are shown before it (codecs require that of random-access points), so they all count.
     """
+    if kf.shown_pts is not None:  # hidden by an edit list: the first visible frame stands in for it
+        found, _ = decode_run(container, stream, kf, {kf.shown_pts}, label, MAX_WALK_PACKETS)
+        return found[kf.shown_pts], kf.shown_pts, kf.index
     packet, packets = _seek(container, stream, kf, label)
     pts = packet.pts
     if pts is None:
@@ -85,6 +89,7 @@ def decode_run(container, stream, kf: Keyframe, wanted_pts: set[int], label: str
     need it as a reference, and decoding straight through gives them exactly as a full decode does. The
     starting keyframe's own leading pictures reference the GOP before it, which this run never decoded:
     they come out concealed (and flagged corrupt), but are shown before the keyframe and so never wanted.
+    A packet the decoder refuses (damaged) is skipped: only the pictures that are wanted must come out whole.
     """
     packet, packets = _seek(container, stream, kf, label)
     codec = stream.codec_context
@@ -92,8 +97,12 @@ def decode_run(container, stream, kf: Keyframe, wanted_pts: set[int], label: str
     decoded = 0
     last = max(wanted_pts)
 
-    def take(frames) -> bool:
+    def take(packet) -> bool:
         nonlocal decoded
+        try:
+            frames = codec.decode(packet)
+        except av.error.InvalidDataError:
+            return False
         for frame in frames:
             decoded += 1
             if frame.pts in wanted_pts:
@@ -102,13 +111,13 @@ def decode_run(container, stream, kf: Keyframe, wanted_pts: set[int], label: str
                 return True
         return False
 
-    done = take(codec.decode(packet))
+    done = take(packet)
     for packet in packets:
         if done or packet.size == 0 or decoded > max_frames + MAX_REORDER:
             break
-        done = take(codec.decode(packet))
+        done = take(packet)
     if not done:
-        take(codec.decode(None))  # end of stream: drain the pictures held for reordering
+        take(None)  # end of stream: drain the pictures held for reordering
     codec.flush_buffers()
     missing = sorted(wanted_pts - set(found))
     if missing:

@@ -3,12 +3,15 @@
 The pipeline turns a `LoaderError` into an error row and moves on to the next clip, so every failure a
 user's file can cause must arrive as one of these, naming the file (or a short description of the bytes)
 and what to do about it. Anything else escaping a loader is a bug in batchjob.
+
+They are `ValueError`s because that is what vLLM's own loaders raise for bad media and what `vllm serve`
+answers with HTTP 400 (a client error) instead of 500.
 """
 
 from __future__ import annotations
 
 
-class LoaderError(Exception):
+class LoaderError(ValueError):
     """A clip could not be turned into frames. `str(err)` names the source and the reason."""
 
     def __init__(self, source: str, reason: str):

@@ -7,6 +7,12 @@ timestamps are decode timestamps (DTS), which is why the table path keeps decode
 presentation index to be settled when the keyframe itself is read (see `decode.read_keyframe`).
 Matroska/WebM load their cues lazily and other containers may index only part of a stream, so they take
 the sweep, which sees presentation timestamps directly.
+
+Edit lists: an MP4 cut without re-encoding (`ffmpeg -ss T -c copy`) starts at the keyframe before T and
+hides the pictures before T with an edit list (the demuxer flags their packets "discard"; decoders drop
+them). Hidden pictures are not frames of the clip: they are neither counted nor picked. The visible frames
+before the first visible keyframe are reached from the hidden keyframe; the first of them stands in for
+that keyframe (`Keyframe.shown_pts`). Such files take the sweep, which sees the flags per packet.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class Keyframe:
     pts: int | None  # known from the sweep; the sample table does not carry it
     pos: int  # byte offset of its packet, -1 if unknown
     index: int | None  # presentation index; None until the keyframe is read (table path)
+    shown_pts: int | None = None  # set when an edit list hides this keyframe: the first visible frame's PTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +83,8 @@ def from_sample_table(container: av.container.InputContainer, stream: av.video.s
     entries = stream.index_entries
     count = len(entries)
     if count != stream.frames:
+        return None
+    if entries[0].is_discard or entries[count - 1].is_discard:  # an edit list hides frames: sweep
         return None
     positions = _keyframe_positions(entries, count)
     if not positions:
@@ -129,8 +138,9 @@ def from_sweep(container: av.container.InputContainer, stream: av.video.stream.V
     The loop touches as few packet attributes as it can: on a 600 s clip it runs 18,000 times.
     """
     mp4 = is_mp4_family(container)
-    all_pts: list[int] = []  # decode order
+    all_pts: list[int] = []  # decode order, visible frames only
     keys = []  # (decode position, pts, dts, pos)
+    hidden_key = None  # the last keyframe an edit list hides, before any visible keyframe
     for count, packet in enumerate(container.demux(stream)):
         if count >= MAX_PACKETS:
             break
@@ -143,6 +153,10 @@ def from_sweep(container: av.container.InputContainer, stream: av.video.stream.V
         if packet.is_corrupt:
             raise CorruptVideo(label, f"packet {len(all_pts)} is flagged corrupt by the demuxer (damaged or "
                                       "cut-off data); re-download or re-encode it")
+        if packet.is_discard:
+            if packet.is_keyframe and not keys:
+                hidden_key = (len(all_pts), pts, packet.dts, packet.pos if packet.pos is not None else -1)
+            continue
         if packet.is_keyframe:
             keys.append((len(all_pts), pts, packet.dts, packet.pos if packet.pos is not None else -1))
         all_pts.append(pts)
@@ -152,6 +166,10 @@ def from_sweep(container: av.container.InputContainer, stream: av.video.stream.V
     _check_not_cut_short(container, stream, sorted_pts, label)
     keyframes = [Keyframe(position, dts if (mp4 and dts is not None) else pts, dts, pts, pos,
                           bisect_left(sorted_pts, pts)) for position, pts, dts, pos in keys]
+    if hidden_key is not None and (not keyframes or keyframes[0].index > 0):
+        position, pts, dts, pos = hidden_key
+        keyframes.insert(0, Keyframe(position, dts if (mp4 and dts is not None) else pts, dts, pts, pos, 0,
+                                     shown_pts=sorted_pts[0]))
     return KeyframeListing(len(all_pts), keyframes, "sweep", sorted_pts)
 
 

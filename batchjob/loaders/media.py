@@ -164,6 +164,18 @@ def stack_frames(frames: list[np.ndarray], label: str) -> np.ndarray:
     return np.stack(frames)
 
 
+def visible_frame_count(stream: av.video.stream.VideoStream) -> int | None:
+    """Frames an MP4 edit list leaves visible, when it hides some (`ffmpeg -ss T -c copy` cuts); else None.
+
+    The hidden samples sit at the start or the end of the sample table, so two lookups tell whether to count.
+    """
+    entries = stream.index_entries
+    count = len(entries)
+    if count == 0 or not (entries[0].is_discard or entries[count - 1].is_discard):
+        return None
+    return sum(1 for i in range(count) if not entries[i].is_discard)
+
+
 def nominal_fps(stream: av.video.stream.VideoStream) -> float:
     """Average frame rate as the container states it (the engine spaces temporal positions by it)."""
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
@@ -177,11 +189,17 @@ class ClipFacts:
     total_num_frames: int
     fps: float
 
+    @property
+    def duration(self) -> float:
+        """Seconds, as vLLM computes it (frame count over nominal rate); what `fps` limits apply to."""
+        return self.total_num_frames / self.fps if self.fps > 0 else 0.0
+
     def metadata(self, backend: str, indices: list[int], **extra: Any) -> dict[str, Any]:
+        """vLLM's six keys (`vllm_bridge.VLLM_METADATA_KEYS`) plus the loader's own `extra` keys."""
         return {
             "total_num_frames": self.total_num_frames,
             "fps": self.fps,
-            "duration": self.total_num_frames / self.fps if self.fps > 0 else 0.0,
+            "duration": self.duration,
             "video_backend": backend,
             "frames_indices": list(indices),
             # vLLM's rule: only a clip returned whole may be resampled by the HF processor.

@@ -3,6 +3,7 @@
 It reads every frame up to the last one wanted (`grab`) and converts only the wanted ones (`retrieve`),
 which is exact for any GOP structure. It exists for A/B comparisons and costs time proportional to clip
 length. OpenCV applies rotation metadata itself, so its frames are upright like the PyAV loaders'.
+In vLLM's registry it is `batchjob_opencv`: vLLM has its own `opencv`, which this must not replace.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import tempfile
 import numpy as np
 
 from batchjob.loaders.errors import CorruptVideo, InvalidArgument, UnsupportedMedia
-from batchjob.loaders.media import ClipFacts, Source, describe, ffmpeg_errors, open_video, stack_frames
+from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, open_video, stack_frames,
+                                    visible_frame_count)
 from batchjob.loaders.picks import uniform_targets
 from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY
-from batchjob.loaders.sampling import check_num_frames
+from batchjob.loaders.request import FrameRequest
+from batchjob.loaders.vllm_bridge import register_with_vllm
 
 NAME = "opencv"
+VLLM_NAME = "batchjob_opencv"
 
 
 def _cv2(label: str):
@@ -29,22 +33,25 @@ def _cv2(label: str):
     return cv2
 
 
-def load_uniform_opencv(path: str, num_frames: int = 16, *, label: str | None = None,
-                        **_ignored) -> tuple[np.ndarray, dict]:
+def load_uniform_opencv(path: str, num_frames: int = 16, *, fps: float = -1, frame_recovery: bool = False,
+                        label: str | None = None, **_ignored) -> tuple[np.ndarray, dict]:
     label = label or describe(path)
-    num_frames = check_num_frames(num_frames, label)
+    request = FrameRequest.parse(label, NAME, num_frames, fps, frame_recovery)
     cv2 = _cv2(label)
     with ffmpeg_errors(label), open_video(path, label) as (_, stream):
         codec = stream.codec_context.name  # same refusals (missing, empty, text, still, audio) as PyAV's
+        visible = visible_frame_count(stream)
     cap = cv2.VideoCapture(path, cv2.CAP_FFMPEG)
     try:
         if not cap.isOpened():
             raise UnsupportedMedia(label, "OpenCV cannot open it as video; try a PyAV backend")
-        total = int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
-        fps = float(cap.get(cv2.CAP_PROP_FPS))
+        # OpenCV counts every sample, the ones an edit list hides too; it only shows the visible ones.
+        total = visible if visible is not None else int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
+        clip_fps = float(cap.get(cv2.CAP_PROP_FPS))
         if total <= 0:
             raise CorruptVideo(label, "OpenCV reports no frames; the file is empty or damaged")
-        targets = uniform_targets(total, num_frames)
+        facts = ClipFacts(total, clip_fps)
+        targets = uniform_targets(total, request.count(total, facts.duration))
         wanted = set(targets)
         pictures: dict[int, np.ndarray] = {}
         grabbed = 0
@@ -71,7 +78,7 @@ def load_uniform_opencv(path: str, num_frames: int = 16, *, label: str | None = 
     if not indices:
         raise CorruptVideo(label, "no frame could be read; the stream is damaged or truncated")
     frames = stack_frames([pictures[t] for t in indices], label)
-    return frames, ClipFacts(total, fps).metadata(NAME, indices)
+    return frames, facts.metadata(NAME, indices)
 
 
 @VIDEO_LOADER_REGISTRY.register(NAME)
@@ -92,3 +99,6 @@ class OpenCVLoader:
     @classmethod
     def load_path(cls, path: str | os.PathLike, *, num_frames: int = 16, **kwargs) -> tuple[np.ndarray, dict]:
         return load_uniform_opencv(os.fspath(path), num_frames, **kwargs)
+
+
+register_with_vllm(VLLM_NAME, OpenCVLoader)

@@ -9,6 +9,9 @@ Decode budget: `max_decoded_frames` (default 1024 pictures per clip) caps the fo
 about what vLLM's OpenCV loader spends on a 30 s 30 fps clip, and ~0.15-0.5 s at 320x180-640x360 here.
 A plan that would need more pulls every frame toward its keyframe by one common factor, so the frames stay
 in order and spread, their indices stay true, and the cost stays bounded however long the GOPs are.
+
+How many frames: as vLLM's uniform loader counts them (see request.py); `num_frames=-1` is every frame.
+A packet the decoder refuses is skipped: the clip fails only if a frame it returns is missing or damaged.
 """
 
 from __future__ import annotations
@@ -21,21 +24,26 @@ from batchjob.loaders.errors import InvalidArgument
 from batchjob.loaders.keyframes import from_sweep, list_keyframes
 from batchjob.loaders.media import ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, stack_frames
 from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY
-from batchjob.loaders.sampling import check_num_frames, exact_frames, keyframe_frames, require_keyframes
+from batchjob.loaders.request import FrameRequest
+from batchjob.loaders.sampling import exact_frames, keyframe_frames, require_keyframes
+from batchjob.loaders.vllm_bridge import register_with_vllm
 
 NAME = "pyav_adaptive"
 DEFAULT_MAX_DECODED_FRAMES = 1024
 
 
-def load_adaptive(source: Source, num_frames: int = 16, *, max_decoded_frames: int = DEFAULT_MAX_DECODED_FRAMES,
-                  use_index: bool = True, **_ignored) -> tuple[np.ndarray, dict]:
+def load_adaptive(source: Source, num_frames: int = 16, *, fps: float = -1, frame_recovery: bool = False,
+                  max_decoded_frames: int = DEFAULT_MAX_DECODED_FRAMES, use_index: bool = True,
+                  **_ignored) -> tuple[np.ndarray, dict]:
     label = describe(source)
-    num_frames = check_num_frames(num_frames, label)
+    request = FrameRequest.parse(label, NAME, num_frames, fps, frame_recovery)
     if isinstance(max_decoded_frames, bool) or not isinstance(max_decoded_frames, int) or max_decoded_frames < 1:
         raise InvalidArgument(label, f"max_decoded_frames must be a positive integer, got {max_decoded_frames!r}")
     with ffmpeg_errors(label), open_video(source, label) as (container, stream):
         listing = list_keyframes(container, stream, label, allow_index=use_index)
         require_keyframes(listing, label)
+        facts = ClipFacts(listing.total_num_frames, nominal_fps(stream))
+        num_frames = request.count(facts.total_num_frames, facts.duration)
         if len(listing.keyframes) >= num_frames:
             frames, indices = keyframe_frames(container, stream, listing, num_frames, label)
             extra = {"adaptive_mode": "keyframes", "decoded_frames": len(set(indices))}
@@ -46,7 +54,6 @@ def load_adaptive(source: Source, num_frames: int = 16, *, max_decoded_frames: i
             frames, indices, decoded = exact_frames(container, stream, listing, num_frames,
                                                     max_decoded_frames, label)
             extra = {"adaptive_mode": "fill", "decoded_frames": decoded}
-        facts = ClipFacts(listing.total_num_frames, nominal_fps(stream))
         return stack_frames(frames, label), facts.metadata(NAME, indices, keyframe_source=listing.source,
                                                             num_keyframes=len(listing.keyframes), **extra)
 
@@ -60,3 +67,6 @@ class PyAVAdaptiveLoader:
     @classmethod
     def load_path(cls, path: str | os.PathLike, *, num_frames: int = 16, **kwargs) -> tuple[np.ndarray, dict]:
         return load_adaptive(os.fspath(path), num_frames, **kwargs)
+
+
+register_with_vllm(NAME, PyAVAdaptiveLoader)

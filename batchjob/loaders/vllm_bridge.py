@@ -1,8 +1,11 @@
-"""Registering a batchjob loader in vLLM's own `VIDEO_LOADER_REGISTRY` when vLLM is installed.
+"""Our loaders in vLLM's own `VIDEO_LOADER_REGISTRY`, when vLLM is installed.
 
-vLLM looks loaders up by the `video_backend` media kwarg and calls the class's `load_bytes(data,
-num_frames=-1, **kwargs)`, forwarding every other media kwarg. The bridge class is a `VideoLoader`
-subclass whose `load_bytes` calls ours, so both registries serve the same code.
+Two ways in: importing a loader module registers that loader (a user's own vLLM code), and the
+`vllm.general_plugins` entry point `register_all` registers every loader in each vLLM process, which is
+how `vllm serve --media-io-kwargs '{"video": {"video_backend": "pyav_keyframes"}}'` finds them without
+importing batchjob. vLLM calls `load_bytes(data, num_frames=N, **media_io_kwargs["video"])`; the bridge
+hands everything to our loader (which reads `fps` and refuses `frame_recovery` itself) and returns only
+the metadata keys vLLM's loaders return. Without vLLM nothing here imports it.
 """
 
 from __future__ import annotations
@@ -10,15 +13,18 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from typing import Any, Mapping
 
 log = logging.getLogger(__name__)
 
-# vLLM's VideoMediaIO samples 32 frames unless told otherwise; -1 ("all frames") has no keyframe meaning
-# that is safe for memory on long clips, so it gets the same default.
-VLLM_DEFAULT_NUM_FRAMES = 32
-# The metadata keys vLLM's own loaders return; our extras (keyframe_source, ...) stay on our side, since
-# vLLM hands the dict on to Hugging Face processors that may not accept unknown fields.
+# The metadata keys vLLM's own loaders return. Our extras (keyframe_source, per-frame timestamps, ...) stay
+# on our side: vLLM hands the dict to Hugging Face processors, whose metadata classes reject unknown keys.
 VLLM_METADATA_KEYS = ("total_num_frames", "fps", "duration", "video_backend", "frames_indices", "do_sample_frames")
+
+
+def vllm_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a batchjob loader's metadata that vLLM accepts (also for engines handing frames to vLLM)."""
+    return {key: metadata[key] for key in VLLM_METADATA_KEYS}
 
 
 def _vllm_video_module():
@@ -42,13 +48,16 @@ def register_with_vllm(name: str, loader: type) -> bool:
         return False
 
     def load_bytes(cls, data: bytes, num_frames: int = -1, **kwargs):
-        if num_frames is None or num_frames <= 0:
-            num_frames = VLLM_DEFAULT_NUM_FRAMES
         kwargs.pop("video_backend", None)
         frames, metadata = loader.load_bytes(data, num_frames=num_frames, **kwargs)
-        return frames, {key: metadata[key] for key in VLLM_METADATA_KEYS}
+        return frames, vllm_metadata(metadata)
 
     bridge = type(f"Batchjob{loader.__name__}", (video.VideoLoader,),
                   {"load_bytes": classmethod(load_bytes), "__doc__": f"batchjob's {name} loader."})
     video.VIDEO_LOADER_REGISTRY.register(name)(bridge)
     return True
+
+
+def register_all() -> None:
+    """The `vllm.general_plugins` entry point: importing the loaders registers each of them."""
+    import batchjob.loaders  # noqa: F401

@@ -212,6 +212,29 @@ def make_clip(path: str | os.PathLike, *, codec: Codec = "h264", container: str 
     return ClipInfo(path, codec, container, num_frames, float(fps), width, height, gop, bframes, rotation, vfr)
 
 
+def cut_without_reencode(src: str | os.PathLike, dst: str | os.PathLike, start_seconds: float) -> str:
+    """Copy `src` (an MP4) from `start_seconds` on without re-encoding, as `ffmpeg -ss T -i SRC -c copy`
+    does: packets from the keyframe before T on, timestamps shifted so T is 0. The muxer then writes an
+    edit list that hides the pictures before T (they stay in the file: the ones after T reference them).
+    """
+    with av.open(os.fspath(src)) as source:
+        stream = source.streams.video[0]
+        start = int(round(start_seconds / stream.time_base))
+        packets = [p for p in source.demux(stream) if p.size and p.pts is not None]
+        keyframe = max((p.pts for p in packets if p.is_keyframe and p.pts <= start), default=None)
+        if keyframe is None:
+            raise ValueError(f"no keyframe at or before {start_seconds} s in {src}")
+        first = min(i for i, p in enumerate(packets) if p.is_keyframe and p.pts == keyframe)
+        with av.open(os.fspath(dst), "w", format="mp4") as out:
+            copy = out.add_stream_from_template(stream)
+            for packet in packets[first:]:
+                packet.pts -= start
+                packet.dts -= start
+                packet.stream = copy
+                out.mux(packet)
+    return os.fspath(dst)
+
+
 def make_motion_clip(path: str | os.PathLike, *, direction: Literal["left", "right"] = "right",
                      color: tuple[int, int, int] = (220, 40, 40), width: int = 112, height: int = 84,
                      seconds: float = 2.0, fps: float = 8.0, seed: int = 0) -> ClipInfo:

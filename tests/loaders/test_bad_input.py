@@ -130,12 +130,31 @@ def test_bad_bytes_raise_loader_error(bad, loader, case):
 
 
 @pytest.mark.parametrize("loader", LOADERS)
-@pytest.mark.parametrize("num_frames", [0, -1, 2.5, "16", None, True])
+@pytest.mark.parametrize("num_frames", [0, -2, 2.5, "16", None, True])
 def test_bad_num_frames(bad, tmp_path, loader, num_frames):
     path = make_clip(tmp_path / "c.mp4", seconds=0.5, width=64, height=48).path
     with pytest.raises(InvalidArgument, match="num_frames") as info:
         load_video(path, backend=loader, num_frames=num_frames)
     assert path in str(info.value)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("kwargs, match", [({"fps": "2"}, "fps"), ({"fps": float("nan")}, "fps"),
+                                           ({"frame_recovery": True}, "frame_recovery is not supported")])
+def test_bad_vllm_kwargs(tmp_path, loader, kwargs, match):
+    """vLLM's media kwargs are checked like num_frames; frame_recovery is refused as vLLM's decoders refuse it."""
+    path = make_clip(tmp_path / "c.mp4", seconds=0.5, width=64, height=48).path
+    with pytest.raises(InvalidArgument, match=match) as info:
+        load_video(path, backend=loader, num_frames=4, **kwargs)
+    assert path in str(info.value)
+    if "frame_recovery" in kwargs:
+        assert repr(loader) in str(info.value)
+
+
+def test_loader_errors_are_value_errors():
+    """`vllm serve` answers a ValueError from a loader with HTTP 400 (the client's bad media), not 500."""
+    for kind in (VideoNotFound, UnsupportedMedia, CorruptVideo, MissingTimestamps, InvalidArgument):
+        assert issubclass(kind, LoaderError) and issubclass(kind, ValueError)
 
 
 def test_unknown_backend_lists_the_choices():

@@ -89,12 +89,49 @@ def test_bridge_serves_vllm_calls(monkeypatch, clips):
     path, _ = clips("h264_bframes_mp4")
     data = open(path, "rb").read()
     loader = video.VIDEO_LOADER_REGISTRY.loaders["pyav_keyframes"]
-    frames, meta = loader.load_bytes(data, num_frames=6, video_backend="pyav_keyframes", fps=2)
-    expected, expected_meta = load_video(path, num_frames=6)
+    frames, meta = loader.load_bytes(data, num_frames=6, video_backend="pyav_keyframes", fps=2, max_duration=300)
+    expected, expected_meta = load_video(path, num_frames=6, fps=2)
     np.testing.assert_array_equal(frames, expected)
     assert meta == {key: expected_meta[key] for key in bridge.VLLM_METADATA_KEYS}
-    frames, _ = loader.load_bytes(data)  # vLLM's default num_frames=-1
-    assert len(frames) == bridge.VLLM_DEFAULT_NUM_FRAMES
+    assert len(frames) == 6 and "keyframe_source" in expected_meta and "keyframe_source" not in meta
+    frames, meta = loader.load_bytes(data)  # vLLM's default num_frames=-1: every keyframe here
+    assert meta["frames_indices"] == load_video(path, num_frames=-1)[1]["frames_indices"]
+    assert len(frames) == 4  # a 4 s clip with a keyframe every second
+
+
+def test_plugin_entry_point_registers_every_loader(monkeypatch):
+    """`vllm.general_plugins` -> register_all: all three, ours under their own names, vLLM's opencv kept."""
+    import importlib
+
+    from batchjob.loaders import opencv, pyav_adaptive, pyav_keyframes
+
+    video = _fake_vllm(monkeypatch)
+    video.VIDEO_LOADER_REGISTRY.loaders["opencv"] = "vLLM's own"
+    for module in (pyav_keyframes, pyav_adaptive, opencv):  # what importing them fresh in a vLLM process does
+        importlib.reload(module)
+    bridge.register_all()
+    loaders = video.VIDEO_LOADER_REGISTRY.loaders
+    assert {"pyav_keyframes", "pyav_adaptive", "batchjob_opencv"} <= set(loaders)
+    assert loaders["opencv"] == "vLLM's own"
+
+
+def test_entry_point_is_declared():
+    """pip installs it from pyproject.toml; vLLM reads it from the installed metadata."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    plugins = pyproject["project"]["entry-points"]["vllm.general_plugins"]
+    module, _, function = plugins["batchjob_loaders"].partition(":")
+    assert getattr(importlib.import_module(module), function) is bridge.register_all
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_without_vllm_nothing_is_imported_from_it():
+    code = "import sys, batchjob.loaders; print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
 def test_bridge_is_off_without_vllm_or_when_disabled(monkeypatch):
