@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +16,8 @@ from rich.table import Table
 
 from batchjob.config import ConfigError
 
-out = Console(soft_wrap=True)
+WIDE = 200    # tables in cron logs and pipes (no terminal: 80 columns) would otherwise truncate every cell
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else WIDE)
 err = Console(stderr=True, soft_wrap=True)
 
 
@@ -127,9 +129,9 @@ def _print_diff(job: str | None, df, max_rows: int) -> None:
             ct.add_column(col)
         for ch in rows[:max_rows]:
             fmt = lambda p: "error" if p is None else " ".join(f"{x:.3f}" for x in p)  # noqa: E731
-            ct.add_row(ch.row_id, ch.category or "-", "-" if ch.answer is None else str(ch.answer),
-                       ch.before_error and "error" or str(ch.before), ch.after_error and "error" or str(ch.after),
-                       fmt(ch.before_probs), fmt(ch.after_probs))
+            opt = lambda i: "-" if i is None else f"{i}: {ch.options[i]}" if i < len(ch.options) else str(i)  # noqa
+            ct.add_row(ch.row_id, ch.category or "-", opt(ch.answer), "error" if ch.before_error else opt(ch.before),
+                       "error" if ch.after_error else opt(ch.after), fmt(ch.before_probs), fmt(ch.after_probs))
         out.print(ct)
         if len(rows) > max_rows:
             out.print(f"... {len(rows) - max_rows} more (--max-rows, or --json for all)")

@@ -33,10 +33,13 @@ def _num(x: float | None, spec: str = ".4f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def _table(headers: list[str], rows: list[list[Any]], left: int = 1, cls: str = "") -> str:
-    head = "".join(f'<th class="{"l" if i < left else ""}">{_e(h)}</th>' for i, h in enumerate(headers))
-    body = "".join("<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{c}</td>' for i, c in enumerate(r))
-                   + "</tr>" for r in rows)
+def _table(headers: list[str], rows: list[list[Any]], left: int = 1, cls: str = "", text_last: bool = False) -> str:
+    """Cells are HTML already (escaped by the caller); the first `left` columns (and a text last one) align left."""
+    def align(i: int) -> str:
+        return "l" if i < left or (text_last and i == len(headers) - 1) else ""
+    head = "".join(f'<th class="{align(i)}">{_e(h)}</th>' for i, h in enumerate(headers))
+    body = "".join("<tr>" + "".join(f'<td class="{align(i)}">{c}</td>' for i, c in enumerate(r)) + "</tr>"
+                   for r in rows)
     return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
@@ -114,7 +117,7 @@ def render_report(name: str, source: str, history: History, diffs: dict[str, Out
                          _num(delta, "+.4f"), _e(r.rows_answered), _e(r.error_rows), _num(r.rows_per_s, ".2f"),
                          _e(r.model_hash or "-"), _e("; ".join(r.alerts) or "-")])
         parts.append(_table(["job", "status", "exit", "accuracy", "vs previous", "answered", "errors", "rows/s",
-                             "model hash", "alerts"], rows, cls="last-night"))
+                             "model hash", "alerts"], rows, cls="last-night", text_last=True))
         parts.append('<h2>Over the nights</h2>')
         parts.append(f'<div class="chart">{_chart("chart-accuracy", "Accuracy per job", "accuracy", _series(history, "accuracy"))}</div>')
         parts.append(f'<div class="chart">{_chart("chart-rows-per-s", "Throughput per job", "rows/s", _series(history, "rows_per_s"))}</div>')
