@@ -4,7 +4,7 @@ from __future__ import annotations
 from batchjob.nightly.definition import AlertConfig
 from batchjob.nightly.history import RunRecord
 
-RUN_EXIT = {0: "done", 1: "runtime failure or too many error rows", 2: "bad config", 130: "interrupted",
+RUN_EXIT = {0: "done", 1: "runtime failure or too many error rows", 2: "bad config, or another run holds the output", 130: "interrupted",
             143: "terminated"}
 
 

@@ -96,6 +96,16 @@ class _ChildTerm:
             signal.signal(signal.SIGTERM, self._prev)
 
 
+def _die_with_parent() -> None:
+    """Linux: the job gets SIGTERM (flush, stop Ray) if the nightly process is killed, instead of running on
+    unrecorded beside the next night."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def run_job_process(cfg: JobConfig, night: str, log: Path, term: _ChildTerm, *, retry_errors: bool = False,
                     extra_env: dict[str, str] | None = None) -> tuple[int, dict]:
     """`batchjob run` in a child process, output appended to `log`; returns its exit code and statistics."""
@@ -109,7 +119,7 @@ def run_job_process(cfg: JobConfig, night: str, log: Path, term: _ChildTerm, *, 
             fh.write(f"[{datetime.now(timezone.utc).isoformat(timespec='seconds')}] {' '.join(cmd)}\n".encode())
             fh.flush()
             term.child = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env={**os.environ, **(extra_env or {})})
+                                          env={**os.environ, **(extra_env or {})}, preexec_fn=_die_with_parent)
             code = term.child.wait()
             term.child = None
             fh.write(f"[{datetime.now(timezone.utc).isoformat(timespec='seconds')}] exit {code}\n".encode())

@@ -65,7 +65,7 @@ def test_alert_thresholds(rng, nh):
     assert alerts_for(0.1, 0, 0, 0, None, cfg) == []                      # no baseline, nothing answered
     assert alerts_for(0.1, 10, 10, 0, prev, AlertConfig()) == []          # no thresholds set
     [fail] = alerts_for(None, 0, 0, 2, prev, cfg)
-    assert "exited 2 (bad config)" in fail
+    assert "exited 2 (bad config" in fail
 
 
 def test_summary_lists_every_job_and_alert(rng, nh):
