@@ -153,6 +153,11 @@ def report(output: Path = typer.Argument(..., help="a job's output directory (or
 
         html_report(output, html)
         return
+    from batchjob.nightly.definition import is_definition
+
+    if output.is_file() and is_definition(output):
+        raise _bad_config(f"{output} is a nightly definition: use `batchjob report {output} --html OUT.html`, "
+                          f"`batchjob history {output}` or `batchjob diff --last {output}`")
 
     if output.is_file() and output.suffix in (".yaml", ".yml"):
         try:

@@ -100,3 +100,17 @@ def test_retry_errors_in_the_definition_reruns_error_rows(tmp_path, monkeypatch)
     [rec] = result.records
     assert calls == [False, True] and rec.error_rows == 2 and rec.rows_answered == 100
     assert rec.exit_status == 0 and rec.alerts == [] and not result.failed
+
+
+def test_thin_wrapper_script_and_report_hint(tmp_path):
+    """jobs/nightly.sh passes the definition and flags through to `batchjob nightly` (cron users call it)."""
+    exe = Path(sys.prefix) / "bin" / "batchjob"
+    if not exe.is_file():
+        pytest.skip(f"no console script at {exe} (package not installed in this environment)")
+    path = write(tmp_path)
+    res = subprocess.run([str(ROOT / "jobs" / "nightly.sh"), str(path), "--date", "2026-03-03"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "BATCHJOB": str(exe)})
+    assert res.returncode == 1 and "night 2026-03-03: FAILED" in res.stdout, res.stderr
+    assert [r.night for r in read_history(tmp_path / "hist").records] == ["2026-03-03"]
+    hint = CliRunner().invoke(app, ["report", str(path)])
+    assert hint.exit_code == 2 and "--html" in hint.output
