@@ -98,9 +98,7 @@ def history(definition: Path = typer.Argument(..., help="nightly definition YAML
 
 
 def _print_diff(job: str | None, df, max_rows: int) -> None:
-    from batchjob.nightly.diff import OutputDiff
-
-    assert isinstance(df, OutputDiff)
+    """One OutputDiff as tables: accuracy with deltas, then the rows that changed."""
     out.print(f"[bold]{job + ': ' if job else ''}{df.before} -> {df.after}[/]", highlight=False)
     t = Table(show_header=True)
     for col in ("", "before", "after", "delta"):

@@ -87,10 +87,6 @@ class NightlyDefinition(_Section):
         return v
 
     @property
-    def history_dir(self) -> Path:
-        return Path(self.history)
-
-    @property
     def cron(self) -> str:
         """The schedule as five plain cron fields."""
         return cron_fields(self.schedule)
