@@ -16,7 +16,7 @@ from batchjob.nightly.history import (append_record, last_two_outputs, previous_
 
 
 def test_records_round_trip_oldest_first(tmp_path, rng, nh):
-    recs = [nh.make_record(rng, rng.choice(["a", "b"]), f"2026-01-{i + 1:02d}", accuracy=None if i == 3 else None)
+    recs = [nh.make_record(rng, rng.choice(["a", "b"]), f"2026-01-{i + 1:02d}")
             for i in range(12)]
     recs[3] = nh.make_record(rng, "a", "2026-01-04", per_category={}, alerts=["x", "y"], model_hash=None,
                              rows_per_s=None, ray_version="2.60")
