@@ -49,14 +49,17 @@ def _summary_table(stats, summary: dict | None) -> Table:
 
 
 def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool, ray_address: str | None,
-         quiet: bool = False, stats_json: Path | None = None) -> None:
+         quiet: bool = False, stats_json: Path | None = None, retry_errors: bool = False,
+         date: str | None = None) -> None:
     from batchjob.config import ConfigError, load_config
     from batchjob.pipeline.job import EngineStartError, JobTerminated, run_job
     from batchjob.pipeline.output import OutputMismatch
     from batchjob.pipeline.report import summarize
 
     try:
-        cfg = load_config(config).with_overrides(limit=limit, output=str(output) if output else None,
+        if retry_errors and restart:
+            raise ConfigError("--retry-errors re-runs the error rows of the existing output; --restart discards it")
+        cfg = load_config(config, date=date).with_overrides(limit=limit, output=str(output) if output else None,
                                                  ray_address=ray_address)
     except ConfigError as e:
         raise _bad_config(str(e))
@@ -74,7 +77,7 @@ def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool,
 
     try:
         with progress:
-            stats = run_job(cfg, restart=restart, on_start=on_start, on_progress=on_progress)
+            stats = run_job(cfg, restart=restart, retry_errors=retry_errors, on_start=on_start, on_progress=on_progress)
     except (ConfigError, OutputMismatch) as e:
         raise _bad_config(str(e))
     except EngineStartError as e:
@@ -110,10 +113,14 @@ def run(config: Path = typer.Argument(..., help="job config YAML"),
         ray_address: Optional[str] = typer.Option(None, help="join this Ray cluster (host:port)"),
         quiet: bool = typer.Option(False, help="no progress bar or summary"),
         stats_json: Optional[Path] = typer.Option(None, help="also write this run's statistics (rows, errors, "
-                                                             "stage busy times) to this JSON file")) -> None:
+                                                             "stage busy times) to this JSON file"),
+        retry_errors: bool = typer.Option(False, "--retry-errors", help="re-run only the rows that are error rows in "
+                                          "the output and replace them in place"),
+        date: Optional[str] = typer.Option(None, help="the night (YYYY-MM-DD) for {date} in output.directory; "
+                                           "default today, UTC")) -> None:
     """Run a job, or resume it: rows already in the output are skipped."""
     _run(config, limit=limit, output=output, restart=restart, ray_address=ray_address, quiet=quiet,
-         stats_json=stats_json)
+         stats_json=stats_json, retry_errors=retry_errors, date=date)
 
 
 @app.command()
@@ -133,11 +140,25 @@ def validate(config: Path = typer.Argument(..., help="job config YAML")) -> None
 
 
 @app.command()
-def report(output: Path = typer.Argument(..., help="a job's output directory (or its config YAML)"),
-           as_json: bool = typer.Option(False, "--json", help="machine-readable summary")) -> None:
+def report(output: Path = typer.Argument(..., help="a job's output directory (or its config YAML), or a nightly "
+                                         "definition with --html"),
+           as_json: bool = typer.Option(False, "--json", help="machine-readable summary"),
+           html: Optional[Path] = typer.Option(None, "--html", help="for a nightly definition: write a self-contained "
+                                               "HTML report (charts over the nights, last night's tables) here")) -> None:
     """Accuracy overall and per category, throughput and errors, from the Parquet output alone."""
     from batchjob.config import ConfigError, load_config
     from batchjob.pipeline.report import summarize
+
+    if html is not None:
+        from batchjob.nightly.commands import html_report
+
+        html_report(output, html)
+        return
+    from batchjob.nightly.definition import is_definition
+
+    if output.is_file() and is_definition(output):
+        raise _bad_config(f"{output} is a nightly definition: use `batchjob report {output} --html OUT.html`, "
+                          f"`batchjob history {output}` or `batchjob diff --last {output}`")
 
     if output.is_file() and output.suffix in (".yaml", ".yml"):
         try:
@@ -200,6 +221,11 @@ def versions() -> None:
         out.print(f"{k:14s} {v}", highlight=False)
     preloaded = OPENBLAS in os.environ.get("LD_PRELOAD", "").split(":")
     out.print(f"{'openblas':14s} {'preloaded' if preloaded else 'not preloaded'}", highlight=False)
+
+
+from batchjob.nightly.commands import register as _register_nightly  # noqa: E402
+
+_register_nightly(app)
 
 
 def _reexec_with_openblas() -> None:

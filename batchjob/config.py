@@ -196,8 +196,35 @@ def _format_validation(path: Path, err: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def parse_config(raw: Any, path: Path) -> JobConfig:
-    """Validate a parsed YAML document and resolve its relative paths against `path`'s directory."""
+DATE_PLACEHOLDER = "{date}"
+
+
+def night_date(date: str | None = None) -> str:
+    """The night a run belongs to: `date` checked as YYYY-MM-DD, or today's date in UTC."""
+    from datetime import datetime, timezone
+
+    if date is None:
+        return datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    try:
+        return datetime.strptime(date, "%Y-%m-%d").strftime("%Y-%m-%d")
+    except ValueError:
+        raise ConfigError(f"--date: expected YYYY-MM-DD, got {date!r}") from None
+
+
+def _expand_date(directory: str, date: str | None, path: Path) -> str:
+    """`{date}` in output.directory gives each night its own dataset; any other placeholder is a typo."""
+    expanded = directory.replace(DATE_PLACEHOLDER, night_date(date)) if DATE_PLACEHOLDER in directory else directory
+    stray = re.search(r"\{[^{}]*\}", expanded)
+    if stray:
+        raise ConfigError(f"{path}: output.directory: unknown placeholder {stray.group(0)} in {directory!r}; "
+                          f"the only one is {DATE_PLACEHOLDER} (the night's date, UTC, YYYY-MM-DD)")
+    return expanded
+
+
+def parse_config(raw: Any, path: Path, *, date: str | None = None) -> JobConfig:
+    """Validate a parsed YAML document and resolve its relative paths against `path`'s directory.
+
+    `date` fills a `{date}` placeholder in output.directory (default: today, UTC)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a job config is a YAML mapping (job:, dataset:, model:, ...), got {type(raw).__name__}")
     try:
@@ -217,21 +244,24 @@ def parse_config(raw: Any, path: Path) -> JobConfig:
     return cfg.model_copy(update={
         "dataset": ds,
         "model": cfg.model.model_copy(update={"checkpoint": ckpt}),
-        "output": cfg.output.model_copy(update={"directory": _resolve(base, cfg.output.directory)}),
+        "output": cfg.output.model_copy(
+            update={"directory": _resolve(base, _expand_date(cfg.output.directory, date, path))}),
         "source": str(path.resolve()),
     })
 
 
-def load_config(path: str | Path) -> JobConfig:
-    """Read and validate a job YAML; raises ConfigError naming the file and key."""
+def load_config(path: str | Path, *, date: str | None = None) -> JobConfig:
+    """Read and validate a job YAML; raises ConfigError naming the file and key. `date`: see parse_config."""
     path = Path(path)
+    if date is not None:
+        night_date(date)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    return parse_config(raw, path)
+    return parse_config(raw, path, date=date)
 
 
 def check_paths(cfg: JobConfig) -> None:

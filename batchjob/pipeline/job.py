@@ -14,6 +14,7 @@ from batchjob.config import ConfigError, JobConfig, check_paths
 from batchjob.datasets import Row, load_rows
 from batchjob.pipeline.driver import Driver, RunStats
 from batchjob.pipeline.output import PartWriter, lock_output, prepare_output
+from batchjob.pipeline.retry import commit_retry, error_row_ids, staging_dir
 from batchjob.pipeline.work import group_by_clip
 
 
@@ -75,10 +76,12 @@ def preflight(cfg: JobConfig) -> list[Row]:
     return rows
 
 
-def run_job(cfg: JobConfig, *, restart: bool = False,
+def run_job(cfg: JobConfig, *, restart: bool = False, retry_errors: bool = False,
             on_start: Callable[[RunStats], None] | None = None,
             on_progress: Callable[[RunStats], None] | None = None) -> RunStats:
-    """Run (or resume) the job; rows already in the output are skipped. Returns this run's statistics."""
+    """Run (or resume) the job; rows already in the output are skipped. Returns this run's statistics.
+
+    `retry_errors`: run only the rows that are error rows in the output and replace them in place."""
     import time
 
     t0 = time.perf_counter()
@@ -88,14 +91,14 @@ def run_job(cfg: JobConfig, *, restart: bool = False,
     out_dir = Path(cfg.output.directory)
     lock_fd = lock_output(out_dir)
     try:
-        return _run_locked(cfg, rows, manifest, restart, t0, started_at, on_start, on_progress)
+        return _run_locked(cfg, rows, manifest, restart, t0, started_at, on_start, on_progress, retry_errors)
     finally:
         os.close(lock_fd)
 
 
 def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, t0: float, started_at: datetime,
                 on_start: Callable[[RunStats], None] | None,
-                on_progress: Callable[[RunStats], None] | None) -> RunStats:
+                on_progress: Callable[[RunStats], None] | None, retry_errors: bool = False) -> RunStats:
     import time
 
     import ray
@@ -107,6 +110,11 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
 
     out_dir, fingerprint = Path(cfg.output.directory), cfg.fingerprint()
     skip = prepare_output(out_dir, fingerprint, manifest, restart=restart)
+    commit_retry(out_dir)   # finish a retry that a crash interrupted (it moves rows, never adds or drops one)
+    write_dir = out_dir
+    if retry_errors:
+        skip = {r.row_id for r in rows} - error_row_ids(out_dir)
+        write_dir = staging_dir(out_dir)
     loader, n, kw = cfg.loader.name, cfg.loader.num_frames, cfg.loader.kwargs
     clips = group_by_clip(rows, skip, loader, n, kw)
     rt = cfg.runtime
@@ -135,7 +143,7 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         # Who answered goes into every part's metadata (next to the config and versions).
         engine_info = {"engine": described[0].engine, "model_id": described[0].model_id,
                        **dict(described[0].details)}
-        writer = parts = PartWriter(out_dir, {**manifest, "fingerprint": fingerprint, "engine": engine_info},
+        writer = parts = PartWriter(write_dir, {**manifest, "fingerprint": fingerprint, "engine": engine_info},
                                     cfg.output.rows_per_part, cfg.output.flush_seconds)
         if _terminate.is_set():          # SIGTERM while the model loaded
             raise JobTerminated()
@@ -152,6 +160,8 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
     finally:
         if writer is not None:
             writer.flush()   # finished rows are complete rows: keep them even when the run fails
+        if retry_errors:
+            commit_retry(out_dir)
         stats.wall_s = time.perf_counter() - t0
         if started:
             stop_ray()
