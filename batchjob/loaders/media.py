@@ -164,6 +164,15 @@ def stack_frames(frames: list[np.ndarray], label: str) -> np.ndarray:
     return np.stack(frames)
 
 
+def pts_seconds(stream: av.video.stream.VideoStream, pts: list[int]) -> list[float]:
+    """Presentation times in seconds from the stream's start (metadata `frames_timestamps`): the real time
+    of each returned frame, which Qwen3-VL prompts carry as text; for irregular keyframes it differs from
+    `frames_indices / fps`."""
+    start = stream.start_time if stream.start_time is not None else 0
+    base = stream.time_base
+    return [float((p - start) * base) for p in pts]
+
+
 def nominal_fps(stream: av.video.stream.VideoStream) -> float:
     """Average frame rate as the container states it (the engine spaces temporal positions by it)."""
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate

@@ -13,7 +13,8 @@ import os
 import numpy as np
 
 from batchjob.loaders.keyframes import list_keyframes
-from batchjob.loaders.media import ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, stack_frames
+from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, pts_seconds,
+                                   stack_frames)
 from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY
 from batchjob.loaders.sampling import check_num_frames, keyframe_frames, require_keyframes
 from batchjob.loaders.vllm_bridge import register_with_vllm
@@ -29,10 +30,11 @@ def load_keyframes(source: Source, num_frames: int = 16, *, use_index: bool = Tr
     with ffmpeg_errors(label), open_video(source, label) as (container, stream):
         listing = list_keyframes(container, stream, label, allow_index=use_index)
         require_keyframes(listing, label)
-        frames, indices = keyframe_frames(container, stream, listing, num_frames, label)
+        frames, indices, pts = keyframe_frames(container, stream, listing, num_frames, label)
         facts = ClipFacts(listing.total_num_frames, nominal_fps(stream))
         return stack_frames(frames, label), facts.metadata(NAME, indices, keyframe_source=listing.source,
-                                                            num_keyframes=len(listing.keyframes))
+                                                            num_keyframes=len(listing.keyframes),
+                                                            frames_timestamps=pts_seconds(stream, pts))
 
 
 @VIDEO_LOADER_REGISTRY.register(NAME)

@@ -79,7 +79,8 @@ class MlxEngine:
         if not path.is_dir():
             return None
         try:
-            return MlxClipPreparer(load_vision_settings(path, model.min_pixels, model.max_pixels, model.temporal_step))
+            return MlxClipPreparer(load_vision_settings(path, model.min_pixels, model.max_pixels, model.temporal_step,
+                                                        model.timestamps))
         except EngineError:
             return None
 
@@ -92,6 +93,7 @@ class MlxEngine:
         cfg = EngineConfig(dtype=model.dtype, min_pixels=model.min_pixels, max_pixels=model.max_pixels,
                            max_num_batched_tokens=model.max_num_batched_tokens, max_model_len=model.max_model_len,
                            memory_budget_gb=model.memory_budget_gb, temporal_step=model.temporal_step,
+                           timestamps=model.timestamps,
                            option_labels=tuple(prompt.option_labels),
                            system_prompt=prompt.system, **extra)
         self._clf = Classifier.from_pretrained(model.checkpoint, cfg)
