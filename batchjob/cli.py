@@ -185,7 +185,8 @@ def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets 
     from batchjob.demo import build_demo
 
     if model_type not in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
-        raise typer.BadParameter(f"{model_type!r}: choose qwen2_5_vl, qwen3_vl or qwen3_vl_moe", param_hint="--model-type")
+        raise typer.BadParameter(f"{model_type!r}: choose qwen2_5_vl, qwen3_vl or qwen3_vl_moe",
+                                 param_hint="--model-type")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")   # everything is local; never wait on a hub lookup
     err.print("building demo assets (tiny random checkpoint, synthetic clips)...")
     config = build_demo(cache, clips, model_type)

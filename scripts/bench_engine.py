@@ -73,7 +73,9 @@ def run_mlx_vlm(clf, requests):
     for r in requests:
         inputs = preprocess_video(r.clip.frames, r.clip.metadata, vision)
         ids = clf.checkpoint.family.video_prompt(clf.prompts, r.question, r.options, inputs).token_ids
-        logits = model(mx.array(ids[None]), pixel_values=mx.array(inputs.pixel_values),
+        # mlx-vlm's Qwen3-VL reads video pixels from `pixel_values_videos`, Qwen2.5-VL from `pixel_values`
+        key = "pixel_values_videos" if clf.checkpoint.family.num_deepstack else "pixel_values"
+        logits = model(mx.array(ids[None]), **{key: mx.array(inputs.pixel_values)},
                        video_grid_thw=mx.array([inputs.grid_thw])).logits
         option = logits[0, -1, clf.prompts.option_token_ids(len(r.options))].astype(mx.float32)
         out.append(np.array(mx.softmax(option)).tolist())

@@ -167,7 +167,8 @@ def sampling_fps(metadata: dict, num_frames: int | None = None, rule: str = "nom
     return fps if span <= 0 else (len(indices) - 1) * fps / span
 
 
-def group_timestamps(metadata: dict, num_frames: int, temporal_patch: int = 2, rule: str = "actual") -> tuple[float, ...]:
+def group_timestamps(metadata: dict, num_frames: int, temporal_patch: int = 2,
+                     rule: str = "actual") -> tuple[float, ...]:
     """Seconds of each temporal group, as Qwen3-VL's processor computes them: the mean of the group's first and
     last frame times, a short last group padded with its last frame.
 
