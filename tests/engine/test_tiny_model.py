@@ -80,8 +80,10 @@ def test_qwen3_hub_layout_loads_in_transformers_and_mlx_vlm(model_type, tmp_path
     config = json.loads((path / "config.json").read_text())
     text = config["text_config"]
     assert "hidden_size" not in config and text["head_dim"] == 32
-    assert text["rope_scaling"] == {"rope_type": "default", "mrope_section": mrope_section(32), "mrope_interleaved": True}
-    assert json.loads((path / "video_preprocessor_config.json").read_text())["size"]["longest_edge"] == spec.video_max_pixels
+    assert text["rope_scaling"] == {"rope_type": "default", "mrope_section": mrope_section(32),
+                                    "mrope_interleaved": True}
+    video = json.loads((path / "video_preprocessor_config.json").read_text())
+    assert video["size"]["longest_edge"] == spec.video_max_pixels
     model, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.config.text_config.rope_parameters["mrope_section"] == mrope_section(32)
