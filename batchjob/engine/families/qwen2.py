@@ -34,8 +34,9 @@ class Qwen2VLFamily(ModelFamily):
         return float((self.hf_config.get("vision_config") or {}).get("tokens_per_second", 2))
 
     def vision_settings(self, engine_config):
+        # timestamps is unused by this family but kept, so decoder-side settings (made without the family) match
         self.vision = load_vision_settings(self.path, engine_config.min_pixels, engine_config.max_pixels,
-                                           engine_config.temporal_step)
+                                           engine_config.temporal_step, engine_config.timestamps)
         return self.vision
 
     def video_prompt(self, prompts, question, options, plan) -> VideoPrompt:
