@@ -290,3 +290,27 @@ def test_unsupported_and_misread_configs_fail_at_start(checkpoint_dir, tmp_path)
     (path / "config.json").write_text(json.dumps({**config, "text_config": text}))
     with pytest.raises(EngineError, match="mrope_section"):
         Classifier.from_pretrained(path, EngineConfig(memory_budget_gb=1.0))
+
+
+def test_positions_equal_transformers_get_rope_index(rng):
+    """Interleaved groups (timestamp text, vision_start, rows x cols tokens, vision_end), random sizes: the
+    engine's positions equal transformers' Qwen3-VL get_rope_index exactly."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    from batchjob.engine.families.qwen3 import qwen3_positions
+
+    video, start, end = 7, 5, 6
+    stand_in = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=types.SimpleNamespace(
+        spatial_merge_size=2)))
+    stand_in.get_vision_position_ids = functools.partial(Qwen3VLModel.get_vision_position_ids, stand_in)
+    for _ in range(20):
+        groups, rows, cols = int(rng.integers(1, 6)), int(rng.integers(1, 5)), int(rng.integers(1, 5))
+        ids = list(rng.integers(10, 50, int(rng.integers(0, 6))))
+        for _ in range(groups):
+            ids += list(rng.integers(10, 50, int(rng.integers(1, 5)))) + [start] + [video] * rows * cols + [end]
+        ids += list(rng.integers(10, 50, int(rng.integers(1, 8))))
+        ids = torch.tensor([ids])
+        expected, _ = Qwen3VLModel.get_rope_index(
+            stand_in, ids, (ids == video).to(torch.int32) * 2,
+            video_grid_thw=torch.tensor([[groups, 2 * rows, 2 * cols]]))
+        np.testing.assert_array_equal(qwen3_positions(ids[0].numpy(), video, rows, cols), expected[:, 0].numpy())
