@@ -95,14 +95,12 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=["qwen2_5_vl", "qwen3_vl"],
                         choices=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
     args = parser.parse_args()
-    rows = [bench_family(family, args) for family in args.families]
     print(f"machine: {platform.machine()} {platform.system()}, {mx.default_device()}, "
           f"model hidden {args.hidden} x {args.layers} layers, {args.clips} clips x {args.questions} questions, "
           f"{args.frames} frames {args.size[0]}x{args.size[1]}")
-    print("| model | mode | prompt tokens | median s | requests/s | vs (c) |\n|---|---|---|---|---|---|")
-    for row in rows:
-        for line in row:
-            print(line)
+    print("| model | mode | prompt tokens | median s | requests/s | vs (c) |\n|---|---|---|---|---|---|", flush=True)
+    for family in args.families:  # each family's rows as soon as they are measured
+        print("\n".join(bench_family(family, args)), flush=True)
 
 
 def bench_family(model_type: str, args) -> list[str]:
