@@ -200,16 +200,22 @@ def loaders() -> None:
 @app.command()
 def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets (default $BATCHJOB_CACHE or "
                                                           "~/.cache/batchjob)"),
-         clips: int = typer.Option(12, min=1, help="number of synthetic clips (3 questions each)")) -> None:
+         clips: int = typer.Option(12, min=1, help="number of synthetic clips (3 questions each)"),
+         model_type: str = typer.Option("qwen2_5_vl", help="tiny model family: qwen2_5_vl, qwen3_vl or "
+                                                           "qwen3_vl_moe")) -> None:
     """Build a tiny model and synthetic clips locally, then run the whole pipeline on them."""
     from batchjob.demo import build_demo
 
+    if model_type not in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+        raise typer.BadParameter(f"{model_type!r}: choose qwen2_5_vl, qwen3_vl or qwen3_vl_moe",
+                                 param_hint="--model-type")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")   # everything is local; never wait on a hub lookup
     err.print("building demo assets (tiny random checkpoint, synthetic clips)...")
-    config = build_demo(cache, clips)
+    config = build_demo(cache, clips, model_type)
     err.print(f"running {config}")
     _run(config, limit=None, output=None, restart=True, ray_address=None)
-    out.print(f"results: batchjob report {config.parent / 'output'}", highlight=False)
+    output = "output" if model_type == "qwen2_5_vl" else f"output-{model_type}"
+    out.print(f"results: batchjob report {config.parent / output}", highlight=False)
 
 
 @app.command()

@@ -69,6 +69,9 @@ class ModelConfig(_Section):
         "nominal", description="video frame rate behind the temporal position step: nominal = n / total_frames * "
         "fps (the convention the model was trained with, as transformers and vLLM compute it); actual = the mean "
         "spacing of the frames the loader picked")
+    timestamps: Literal["actual", "nominal"] = Field(
+        "actual", description="Qwen3-VL's per-group time text: actual = the decoded frames' presentation times "
+        "(true keyframe times); nominal = frames_indices / fps, as transformers' processor computes it")
     vllm: VllmConfig | None = Field(None, description="settings for engine: vllm (dtype is model.dtype)")
 
     @model_validator(mode="after")
@@ -154,7 +157,7 @@ class JobConfig(_Section):
             "dataset_adapter": self.dataset.adapter,
             "model": {"checkpoint": m.checkpoint, "engine": m.engine, "dtype": m.dtype,
                       "min_pixels": m.min_pixels, "max_pixels": m.max_pixels,
-                      "temporal_step": m.temporal_step},
+                      "temporal_step": m.temporal_step, "timestamps": m.timestamps},
             "loader": self.loader.model_dump(),
             "prompt": self.prompt.model_dump(),
         }

@@ -53,29 +53,38 @@ def build_clips(root: Path, num_clips: int) -> list[dict]:
     return records
 
 
-def ensure_tiny_checkpoint(model: Path) -> Path:
+def ensure_tiny_checkpoint(model: Path, model_type: str = "qwen2_5_vl") -> Path:
     """Build the default tiny checkpoint at `model` unless a complete one is there already.
 
     A half-written checkpoint from an interrupted build has no `.complete` marker and is rebuilt.
     """
-    from batchjob.synthetic.tiny_model import write_tiny_checkpoint
+    from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
 
     if not (model / ".complete").exists():
         shutil.rmtree(model, ignore_errors=True)
-        write_tiny_checkpoint(model)
+        write_tiny_checkpoint(model, TinyModelSpec(model_type=model_type))
         (model / ".complete").touch()
     return model
 
 
-def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 12) -> Path:
-    """Build (or reuse) the demo assets and return the path of the demo's job config."""
+def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 12, model_type: str = "qwen2_5_vl") -> Path:
+    """Build (or reuse) the demo assets and return the path of the demo's job config.
+
+    `model_type` picks the tiny model's family (qwen2_5_vl, qwen3_vl, qwen3_vl_moe); only the checkpoint
+    path (and, for Qwen3-VL, the pixel budget, which bounds the whole clip there) differ in the config."""
     root = demo_dir(cache)
     root.mkdir(parents=True, exist_ok=True)
-    ensure_tiny_checkpoint(root / "model")
+    model = "model" if model_type == "qwen2_5_vl" else f"model-{model_type}"
+    ensure_tiny_checkpoint(root / model, model_type)
     records = build_clips(root / "clips", num_clips)
     (root / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    config = root / "demo.yaml"
-    config.write_text(resources.files("batchjob").joinpath("assets/demo.yaml").read_text())
+    text = resources.files("batchjob").joinpath("assets/demo.yaml").read_text()
+    if model_type != "qwen2_5_vl":
+        text = text.replace("  checkpoint: model\n", f"  checkpoint: {model}\n").replace(
+            "max_pixels: 12544 ", "max_pixels: 65536 ").replace("job: demo\n", f"job: demo-{model_type}\n").replace(
+            "directory: output\n", f"directory: output-{model_type}\n")
+    config = root / ("demo.yaml" if model_type == "qwen2_5_vl" else f"demo-{model_type}.yaml")
+    config.write_text(text)
     return config
 
 

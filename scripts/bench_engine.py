@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Engine throughput: packed + per-clip sharing vs one-at-a-time vs mlx-vlm's own forward.
 
-Builds a mid-size random Qwen2.5-VL checkpoint (default hidden 512, 8 layers, GQA 4:1), random clips of 16
-frames, and 4 questions per clip, then measures requests/s for
+Builds a mid-size random checkpoint per family (Qwen2.5-VL and Qwen3-VL; default hidden 512, 8 layers, GQA
+4:1), random clips of 16 frames, and 4 questions per clip, then measures requests/s for
   (a) the engine: packed forward passes, video encoded once per clip, video-prefix KV blocks shared;
   (b) the same engine fed one request at a time with prefix sharing off;
   (c) mlx-vlm's own one-request forward (vision tower + full prompt + LM head on every position), per request.
@@ -72,8 +72,10 @@ def run_mlx_vlm(clf, requests):
     out = []
     for r in requests:
         inputs = preprocess_video(r.clip.frames, r.clip.metadata, vision)
-        ids = clf.prompts.token_ids(r.question, r.options, inputs.num_tokens)
-        logits = model(mx.array(ids[None]), pixel_values=mx.array(inputs.pixel_values),
+        ids = clf.checkpoint.family.video_prompt(clf.prompts, r.question, r.options, inputs).token_ids
+        # mlx-vlm's Qwen3-VL reads video pixels from `pixel_values_videos`, Qwen2.5-VL from `pixel_values`
+        key = "pixel_values_videos" if clf.checkpoint.family.num_deepstack else "pixel_values"
+        logits = model(mx.array(ids[None]), **{key: mx.array(inputs.pixel_values)},
                        video_grid_thw=mx.array([inputs.grid_thw])).logits
         option = logits[0, -1, clf.prompts.option_token_ids(len(r.options))].astype(mx.float32)
         out.append(np.array(mx.softmax(option)).tolist())
@@ -90,12 +92,26 @@ def main() -> None:
     parser.add_argument("--size", type=int, nargs=2, default=(336, 336), metavar=("H", "W"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--families", nargs="+", default=["qwen2_5_vl", "qwen3_vl"],
+                        choices=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
     args = parser.parse_args()
+    print(f"machine: {platform.machine()} {platform.system()}, {mx.default_device()}, "
+          f"model hidden {args.hidden} x {args.layers} layers, {args.clips} clips x {args.questions} questions, "
+          f"{args.frames} frames {args.size[0]}x{args.size[1]}")
+    print("| model | mode | prompt tokens | median s | requests/s | vs (c) |\n|---|---|---|---|---|---|", flush=True)
+    for family in args.families:  # each family's rows as soon as they are measured
+        print("\n".join(bench_family(family, args)), flush=True)
 
-    spec = TinyModelSpec(model_type="qwen2_5_vl", hidden_size=args.hidden, num_layers=args.layers,
+
+def bench_family(model_type: str, args) -> list[str]:
+    qwen3 = model_type.startswith("qwen3")
+    spec = TinyModelSpec(model_type=model_type, hidden_size=args.hidden, num_layers=args.layers,
                          num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 256),
                          intermediate_size=args.hidden * 11 // 4, vision_depth=4, vision_hidden=256, vision_heads=4,
-                         fullatt_block_indexes=(3,), max_pixels=args.size[0] * args.size[1], seed=args.seed)
+                         fullatt_block_indexes=(3,), max_pixels=args.size[0] * args.size[1], seed=args.seed,
+                         # Qwen3-VL: the same pixels, budgeted over the clip; DeepStack from 3 of 4 vision layers
+                         video_max_pixels=args.frames * args.size[0] * args.size[1], deepstack_visual_indexes=(0, 1, 2),
+                         moe_intermediate_size=args.hidden // 4 + 16)
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_checkpoint(tmp, spec)
@@ -126,14 +142,15 @@ def main() -> None:
                 for a, b in zip(answers[names[0]], answers[names[2]]))
     n = len(requests)
     baseline = n / statistics.median(times[names[2]])
-    print(f"machine: {platform.machine()} {platform.system()}, {mx.default_device()}, "
-          f"model hidden {args.hidden} x {args.layers} layers, {args.clips} clips x {args.questions} questions, "
-          f"{args.frames} frames {args.size[0]}x{args.size[1]}, prompt {packed.classify(requests[:1])[0].prompt_tokens} tokens")
-    print(f"| mode | median s | requests/s | vs (c) |\n|---|---|---|---|")
+    tokens = packed.classify(fresh(requests[:1], "len"))[0].prompt_tokens
+    lines = []
     for name in names:
         med = statistics.median(times[name])
-        print(f"| {name} | {med:.3f} | {n / med:.2f} | {n / med / baseline:.2f}x |")
-    print(f"max |prob difference| (a) vs (c): {agree:.2e}; vision runs in one pass of (a): {vision_runs[names[0]]}")
+        lines.append(f"| {model_type} | {name} | {tokens} | {med:.3f} | {n / med:.2f} | {n / med / baseline:.2f}x |")
+    note = "mlx-vlm's own Qwen3-VL positions" if qwen3 else "mlx-vlm's own positions (step 1 here)"
+    lines.append(f"| {model_type} | max abs prob difference (a) vs (c), {note}: {agree:.1e}; vision runs in one pass "
+                 f"of (a): {vision_runs[names[0]]} | | | | |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     defaults = TinyModelSpec()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--model-type", choices=["qwen2_5_vl", "qwen2_vl"], default=defaults.model_type)
+    parser.add_argument("--model-type", choices=["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"],
+                        default=defaults.model_type)
     parser.add_argument("--layers", type=int, default=defaults.num_layers)
     parser.add_argument("--heads", type=int, default=defaults.num_heads)
     parser.add_argument("--kv-heads", type=int, default=defaults.num_kv_heads, help="heads / kv-heads = GQA ratio")

@@ -45,7 +45,7 @@ def attention_context(ctx: AttentionContext) -> Iterator[None]:
 
 
 class PagedAttention(nn.Module):
-    """Wraps one mlx-vlm Qwen2-VL attention module (q/k/v/o projections + M-RoPE)."""
+    """Wraps one mlx-vlm Qwen2-VL / Qwen3-VL attention module (q/k/v/o projections, q/k norms, M-RoPE)."""
 
     def __init__(self, inner: nn.Module, layer_index: int):
         super().__init__()
@@ -68,8 +68,11 @@ class PagedAttention(nn.Module):
             raise ValueError("paged attention needs precomputed M-RoPE (cos, sin); the engine's forward passes them")
         inner = self.inner
         _, num_tokens, _ = x.shape  # the packed batch is one row: [1, T, hidden]
-        q = inner.q_proj(x).reshape(1, num_tokens, inner.n_heads, inner.head_dim).transpose(0, 2, 1, 3)
-        k = inner.k_proj(x).reshape(1, num_tokens, inner.n_kv_heads, inner.head_dim).transpose(0, 2, 1, 3)
+        q = inner.q_proj(x).reshape(1, num_tokens, inner.n_heads, inner.head_dim)
+        k = inner.k_proj(x).reshape(1, num_tokens, inner.n_kv_heads, inner.head_dim)
+        if hasattr(inner, "q_norm"):  # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
+            q, k = inner.q_norm(q), inner.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = inner.v_proj(x).reshape(num_tokens, inner.n_kv_heads, inner.head_dim)
         cos, sin = position_embeddings
         q, k = self._apply_rope(q, k, cos, sin, 1)

@@ -1,4 +1,4 @@
-"""Loading a Qwen2-VL / Qwen2.5-VL checkpoint with mlx-vlm's model definitions, with load-time checks.
+"""Loading a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint with mlx-vlm's model definitions, with load-time checks.
 
 Every problem we can see before the first request (unknown architecture, missing files, a layout mlx-vlm
 cannot read) is an EngineError naming the path and the fix: a nightly job should fail at start, not at 3 a.m.
@@ -14,10 +14,11 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .preprocess import VisionSettings, load_vision_settings
+from .families import ModelFamily, family_for, supported_model_types
+from .preprocess import VisionSettings
 from .types import EngineConfig, EngineError
 
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
+SUPPORTED_MODEL_TYPES = supported_model_types()
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -31,7 +32,7 @@ class LoadedCheckpoint:
     tokenizer: object
     vision: VisionSettings
     video_token_id: int
-    tokens_per_second: float | None  # None for Qwen2-VL (temporal positions step by one)
+    family: ModelFamily  # the model_type's module: prompts, positions, vision features
     dtype: mx.Dtype
     weights_bytes: int
 
@@ -58,20 +59,7 @@ def _read_config(path: Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise EngineError(f"{path}: no config.json; this is not a Hugging Face checkpoint directory")
-    config = json.loads(config_file.read_text())
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise EngineError(
-            f"{config_file}: model_type {model_type!r} is not supported; the engine runs {SUPPORTED_MODEL_TYPES} "
-            "checkpoints (Qwen2-VL / Qwen2.5-VL)"
-        )
-    if "hidden_size" not in config:
-        raise EngineError(
-            f"{config_file}: text settings are nested under text_config (transformers 5 save_pretrained layout), "
-            "which mlx-vlm cannot read; use the hub's flat layout (hidden_size etc. at top level, "
-            "rope_scaling: {type: mrope, mrope_section: [...]})"
-        )
-    return config
+    return json.loads(config_file.read_text())
 
 
 def _check_files(path: Path) -> None:
@@ -97,12 +85,14 @@ def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedChe
 
     path = resolve_model_dir(model)
     hf_config = _read_config(path)
+    family = family_for(hf_config, path)
     _check_files(path)
-    vision = load_vision_settings(path, config.min_pixels, config.max_pixels, config.temporal_step)
+    vision = family.vision_settings(config)
     try:
         mlx_model = load_model(path)
     except Exception as exc:
         raise EngineError(f"{path}: mlx-vlm could not build the model ({type(exc).__name__}: {exc})") from exc
+    family.fix_model(mlx_model)
     dtype = compute_dtype(config, hf_config)
     mlx_model.set_dtype(dtype)
     mx.eval(mlx_model.parameters())
@@ -110,8 +100,6 @@ def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedChe
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise EngineError(f"{path}: the tokenizer could not be loaded ({type(exc).__name__}: {exc})") from exc
-    vision_config = hf_config.get("vision_config") or {}
-    is_qwen25 = hf_config["model_type"] == "qwen2_5_vl"
     return LoadedCheckpoint(
         model=mlx_model,
         model_type=hf_config["model_type"],
@@ -120,8 +108,8 @@ def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedChe
         hf_config=hf_config,
         tokenizer=tokenizer,
         vision=vision,
-        video_token_id=int(hf_config.get("video_token_id", 151656)),
-        tokens_per_second=float(vision_config.get("tokens_per_second", 2)) if is_qwen25 else None,
+        video_token_id=family.video_token_id,
+        family=family,
         dtype=dtype,
         weights_bytes=sum(v.nbytes for _, v in tree_flatten(mlx_model.parameters())),
     )

@@ -20,13 +20,12 @@ from batchjob.metal_backend import (BlockPool, KVCache, KVCacheBudgetError, page
 
 from .attention import install_paged_attention
 from .checkpoint import LoadedCheckpoint, load_checkpoint
-from .mrope import mrope_positions, placeholder_runs, video_temporal_interval
 from .preprocess import check_frames, check_prepared, image_processor, plan_video, preprocess_video
 from .prompt import PromptBuilder
-from .runner import encode_video, forward
+from .runner import forward
 from .scheduler import Scheduler, Sequence
 from .types import ClassifyRequest, ClassifyResult, EngineConfig, EngineError
-from .video_features import VideoFeatureCache
+from .video_features import VideoFeatureCache, tail_first_row
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class Classifier:
         self.attention_backend, self._attention = _select_attention(config, checkpoint.dtype)
         lm = checkpoint.model.language_model
         num_layers = install_paged_attention(lm)
-        head_dim, kv_heads = lm.head_dim, lm.n_kv_heads
+        kv_heads, head_dim = checkpoint.family.kv_shape(lm)  # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
         budget = (int(config.memory_budget_gb * 2**30) if config.memory_budget_gb else _default_budget_bytes())
         dtype_bytes = mx.zeros((), dtype=checkpoint.dtype).itemsize
         try:
@@ -85,7 +84,7 @@ class Classifier:
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike, config: EngineConfig | None = None) -> "Classifier":
-        """Load a Qwen2-VL / Qwen2.5-VL checkpoint (directory or hub id); EngineError on any load problem."""
+        """Load a checkpoint of a supported family (directory or hub id); EngineError on any load problem."""
         config = config or EngineConfig()
         config.validate()
         return cls(load_checkpoint(model, config), config)
@@ -99,28 +98,26 @@ class Classifier:
         else:
             check_frames(clip.frames)
             plan = plan_video(clip.frames.shape, clip.metadata, vision)
-        ids = self.prompts.token_ids(request.question, request.options, plan.num_tokens)
+        prompt = self.checkpoint.family.video_prompt(self.prompts, request.question, request.options, plan)
+        ids = prompt.token_ids
         if len(ids) > self.config.max_model_len:
             raise ValueError(
                 f"prompt is {len(ids)} tokens ({plan.num_tokens} for the video), longer than max_model_len "
                 f"{self.config.max_model_len}; use fewer frames or a lower max_pixels, or raise max_model_len")
-        interval = video_temporal_interval(self.checkpoint.tokens_per_second, plan.second_per_grid_t)
-        positions = mrope_positions(ids, self.checkpoint.video_token_id, [plan.grid_thw], [interval], vision.merge_size)
         share = self.config.enable_prefix_sharing
         return Sequence(
             index=index, seq_id=f"{call_id}:{index}",
             media_key=request.clip.media_id if share else f"{request.clip.media_id}#{call_id}:{index}",
-            token_ids=ids, positions=positions, video_span=placeholder_runs(ids, self.checkpoint.video_token_id)[0],
+            token_ids=ids, positions=prompt.positions, video_span=prompt.video_span,
             option_token_ids=self.prompts.option_token_ids(len(request.options)), share_prefix=share,
-            grid_thw=plan.grid_thw)
+            grid_thw=plan.grid_thw, video_rows=prompt.video_rows)
 
     def _video_rows(self, batch, requests: Seq[ClassifyRequest]) -> dict:
         """Vision features for every clip whose video tokens are computed in this step (tower runs if needed)."""
         rows = {}
         for item in batch:
             seq = item.seq
-            start, end = seq.video_span
-            lo, hi = max(seq.num_computed, start) - start, min(seq.num_computed + item.num_new, end) - start
+            lo, hi = seq.rows_between(seq.num_computed, seq.num_computed + item.num_new)
             if lo >= hi:
                 continue
             found = self._features.get(seq.media_key, lo, hi)   # a clip encoded earlier in this step is there too
@@ -130,7 +127,7 @@ class Classifier:
                                                          self._processor)
                 if inputs.grid_thw != seq.grid_thw:
                     raise RuntimeError(f"processor grid {inputs.grid_thw} != planned {seq.grid_thw} for {clip.media_id}")
-                found = self._features.put_clip(seq.media_key, encode_video(
+                found = self._features.put_clip(seq.media_key, self.checkpoint.family.encode_video(
                     self.checkpoint.model, inputs.pixel_values, inputs.grid_thw, self.checkpoint.dtype))
                 self.vision_calls += 1
             rows[seq.media_key] = found
@@ -160,18 +157,19 @@ class Classifier:
             while scheduler.has_work():
                 batch = scheduler.schedule()
                 out = forward(self.checkpoint.model, batch, self.kv_cache, self._attention,
-                              self._video_rows(batch, requests))
+                              self._video_rows(batch, requests), self.checkpoint.family.num_deepstack)
                 for row, slot in enumerate(out.finished_slices):
                     seq = batch[slot].seq
                     results[seq.index] = _result(requests[seq.index].request_id, seq, out.logits[row])
                 for seq in scheduler.finish_step(batch):
                     pending[seq.media_key] -= 1
                     if pending[seq.media_key] == 0:  # the clip is done: keep only what a later question needs
-                        self._features.release_clip(seq.media_key, seq.video_span, keep_tail=seq.share_prefix)
+                        first = tail_first_row(seq.video_rows, seq.video_span, self.config.block_size)
+                        self._features.release_clip(seq.media_key, first, keep_tail=seq.share_prefix)
         finally:
             scheduler.abort_all()
             for key in pending:
-                self._features.release_clip(key, (0, 0), keep_tail=False)  # after an exception: drop leftovers
+                self._features.release_clip(key, 0, keep_tail=False)  # after an exception: drop leftovers
         return results  # type: ignore[return-value]
 
 

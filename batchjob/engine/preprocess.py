@@ -3,8 +3,13 @@
 transformers' Qwen2-VL *video* processor needs torchvision, which cannot run beside the CPU torch build
 here, so frames are resized to the smart_resize grid the way the video processor resizes them (see
 resize.py), then go through the checkpoint's *image* processor (PIL backend: rescale, CLIP mean/std,
-patchify; no further resize) and are grouped in time the way the video processor groups them: `temporal_patch_size` consecutive frames form one temporal patch, and a
-short last group is padded by repeating the last frame.
+patchify; no further resize) and are grouped in time the way the video processor groups them:
+`temporal_patch_size` consecutive frames form one temporal patch, and a short last group is padded by repeating the last frame.
+
+Qwen3-VL's video processor differs in two ways that change the tokens: its pixel budget
+(`size.longest_edge`) bounds the whole clip (`frames x height x width`), not each frame, and it rejects clips
+of one frame (that one frame is doubled first, as mlx-vlm does). Its prompt also carries each temporal
+group's time as text (`group_timestamps`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class VisionSettings:
     image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
     image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
     temporal_step: str = "nominal"  # how the sampled frame rate is read from the loader's metadata: see sampling_fps
+    pixel_budget: str = "frame"  # "frame": min/max_pixels per frame (Qwen2-VL); "clip": over all frames (Qwen3-VL)
+    timestamps: str = "actual"  # Qwen3-VL's timestamp text: see group_timestamps
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class VideoPlan:
     grid_thw: tuple[int, int, int]  # in patches, before the spatial merge
     second_per_grid_t: float  # seconds covered by one temporal patch (drives temporal M-RoPE positions)
     num_tokens: int  # video placeholder tokens in the prompt: grid_t * grid_h * grid_w / merge**2
+    timestamps: tuple[float, ...]  # seconds of each temporal group (Qwen3-VL writes them into the prompt)
 
 
 @dataclass(frozen=True)
@@ -64,11 +72,21 @@ def _pixel_bounds(config: dict) -> tuple[int | None, int | None]:
 
 
 TEMPORAL_STEPS = ("nominal", "actual")
+TIMESTAMP_RULES = ("actual", "nominal")
+# Model types whose video processor applies the pixel budget to the whole clip.
+CLIP_BUDGET_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+
+
+def _model_type(model_dir: Path) -> str | None:
+    config_file = model_dir / "config.json"
+    return json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
 
 
 def load_vision_settings(model_dir: Path, min_pixels: int | None, max_pixels: int | None,
-                         temporal_step: str = "nominal") -> VisionSettings:
-    """Read the checkpoint's processor config (video config first, as transformers does), apply overrides."""
+                         temporal_step: str = "nominal", timestamps: str = "actual") -> VisionSettings:
+    """Read the checkpoint's processor config (video config first, as transformers does), apply overrides.
+
+    For Qwen3-VL checkpoints min/max_pixels bound the whole clip, as its video processor's `size` does."""
     candidates = [model_dir / "video_preprocessor_config.json", model_dir / "preprocessor_config.json"]
     found = [p for p in candidates if p.is_file()]
     if not found:
@@ -87,8 +105,12 @@ def load_vision_settings(model_dir: Path, min_pixels: int | None, max_pixels: in
         )
     if temporal_step not in TEMPORAL_STEPS:
         raise EngineError(f"temporal_step must be one of {', '.join(TEMPORAL_STEPS)}, got {temporal_step!r}")
+    if timestamps not in TIMESTAMP_RULES:
+        raise EngineError(f"timestamps must be one of {', '.join(TIMESTAMP_RULES)}, got {timestamps!r}")
+    budget = "clip" if _model_type(model_dir) in CLIP_BUDGET_MODEL_TYPES else "frame"
     return VisionSettings(
-        min_pixels=int(lo), max_pixels=int(hi), temporal_step=temporal_step,
+        min_pixels=int(lo), max_pixels=int(hi), temporal_step=temporal_step, pixel_budget=budget,
+        timestamps=timestamps,
         patch_size=int(config.get("patch_size", 14)),
         temporal_patch_size=int(config.get("temporal_patch_size", 2)),
         merge_size=int(config.get("merge_size", 2)),
@@ -97,11 +119,24 @@ def load_vision_settings(model_dir: Path, min_pixels: int | None, max_pixels: in
     )
 
 
-def image_processor(settings: VisionSettings):
-    """transformers' PIL Qwen2-VL image processor configured like the checkpoint."""
+def image_processor(settings: VisionSettings, size: tuple[int, int] | None = None):
+    """transformers' PIL Qwen2-VL image processor configured like the checkpoint.
+
+    With `size` (height, width) every frame is resized to exactly that size (a clip-level budget was
+    applied already) and otherwise processed the same way."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(
+    cls = Qwen2VLImageProcessorPil
+    if size is not None:
+        from transformers.image_utils import SizeDict
+
+        class FixedSize(Qwen2VLImageProcessorPil):
+            def resize(self, image, size=None, resample=None, factor=None, **kwargs):  # skips smart_resize only
+                return super(Qwen2VLImageProcessorPil, self).resize(
+                    image=image, size=SizeDict(height=fixed[0], width=fixed[1]), resample=resample)
+
+        fixed, cls = size, FixedSize
+    return cls(
         min_pixels=settings.min_pixels, max_pixels=settings.max_pixels, patch_size=settings.patch_size,
         temporal_patch_size=settings.temporal_patch_size, merge_size=settings.merge_size,
         image_mean=list(settings.image_mean), image_std=list(settings.image_std),
@@ -133,6 +168,52 @@ def sampling_fps(metadata: dict, num_frames: int | None = None, rule: str = "nom
     return fps if span <= 0 else (len(indices) - 1) * fps / span
 
 
+def group_timestamps(metadata: dict, num_frames: int, temporal_patch: int = 2,
+                     rule: str = "actual") -> tuple[float, ...]:
+    """Seconds of each temporal group, as Qwen3-VL's processor computes them: the mean of the group's first and
+    last frame times, a short last group padded with its last frame.
+
+    `nominal`: frame times are `frames_indices / fps`, exactly what transformers' processor computes (fps 24
+    when unknown, as there). `actual`: the decoded frames' own presentation times (`frames_timestamps` in the
+    loader's metadata), which differ from the nominal ones for irregular keyframes; without them, nominal."""
+    if rule not in TIMESTAMP_RULES:
+        raise ValueError(f"timestamps rule must be one of {', '.join(TIMESTAMP_RULES)}, got {rule!r}")
+    times = metadata.get("frames_timestamps") if rule == "actual" else None
+    if times is None or len(times) != num_frames:
+        fps = float(metadata.get("fps") or 24.0)
+        indices = metadata.get("frames_indices")
+        if indices is None or len(indices) != num_frames:
+            indices = range(num_frames)  # no source indices: frames taken as consecutive
+        times = [int(i) / fps for i in indices]
+    times = [float(t) for t in times]
+    if len(times) % temporal_patch:
+        times += [times[-1]] * (temporal_patch - len(times) % temporal_patch)
+    return tuple((times[i] + times[i + temporal_patch - 1]) / 2 for i in range(0, len(times), temporal_patch))
+
+
+def clip_smart_resize(num_frames: int, height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
+                      temporal_factor: int = 2) -> tuple[int, int]:
+    """Qwen3-VL's video smart_resize: (height, width) multiples of `factor` with the *clip* (frames x h x w)
+    inside [min_pixels, max_pixels] (same arithmetic as transformers' video_processing_qwen3_vl)."""
+    if num_frames < temporal_factor:
+        raise ValueError(f"{num_frames} frames; Qwen3-VL needs at least {temporal_factor} (double a single frame)")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above 200")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def check_frames(frames: np.ndarray) -> None:
     """ValueError (a per-request error) unless `frames` is what the loaders return: uint8 [T, H, W, 3]."""
     if not (isinstance(frames, np.ndarray) and frames.ndim == 4 and frames.shape[-1] == 3 and len(frames)):
@@ -148,11 +229,15 @@ def plan_video(shape: tuple[int, ...], metadata: dict, settings: VisionSettings)
 
     t, h, w = (int(v) for v in shape[:3])
     p, merge, tp = settings.patch_size, settings.merge_size, settings.temporal_patch_size
-    height, width = smart_resize(h, w, factor=p * merge, min_pixels=settings.min_pixels,
-                                 max_pixels=settings.max_pixels)
+    if settings.pixel_budget == "clip":
+        height, width = clip_smart_resize(max(t, tp), h, w, p * merge, settings.min_pixels, settings.max_pixels, tp)
+    else:
+        height, width = smart_resize(h, w, factor=p * merge, min_pixels=settings.min_pixels,
+                                     max_pixels=settings.max_pixels)
     grid = (math.ceil(t / tp), height // p, width // p)
     return VideoPlan(grid_thw=grid, second_per_grid_t=tp / sampling_fps(metadata, t, settings.temporal_step),
-                     num_tokens=grid[0] * grid[1] * grid[2] // merge**2)
+                     num_tokens=grid[0] * grid[1] * grid[2] // merge**2,
+                     timestamps=group_timestamps(metadata, t, tp, settings.timestamps))
 
 
 def check_prepared(inputs: VideoInputs, settings: VisionSettings) -> None:
@@ -175,10 +260,12 @@ def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSetting
     pad = (-len(frames)) % tp
     if pad:
         frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-    # Resize as the *video* processor does (torchvision's float pass), so the image processor below only
+    # Resize as the *video* processor does (torchvision's fixed-point pass), so the image processor below only
     # rescales, normalises and patchifies: PIL's own resize rounds between passes and drifts off it.
     p = settings.patch_size
     frames = resize_frames(frames, plan.grid_thw[1] * p, plan.grid_thw[2] * p)
+    if settings.pixel_budget == "clip":  # the size depends on the clip: a processor for this clip's size
+        processor = image_processor(settings, (plan.grid_thw[1] * p, plan.grid_thw[2] * p))
     processor = processor or image_processor(settings)
     out = processor(list(frames), return_tensors="np")
     grids = out["image_grid_thw"]
@@ -194,4 +281,5 @@ def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSetting
     gt = len(frames) // tp
     pixel_values = per_frame.reshape(gt, tp, n, c, p, p).transpose(0, 2, 3, 1, 4, 5).reshape(gt * n, c * tp * p * p)
     return VideoInputs(grid_thw=plan.grid_thw, second_per_grid_t=plan.second_per_grid_t, num_tokens=plan.num_tokens,
-                       pixel_values=np.ascontiguousarray(pixel_values), settings=settings)
+                       timestamps=plan.timestamps, pixel_values=np.ascontiguousarray(pixel_values),
+                       settings=settings)

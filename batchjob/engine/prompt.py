@@ -53,14 +53,18 @@ class PromptBuilder:
         lines = "\n".join(f"{label}. {text}" for label, text in zip(self.config.option_labels, options))
         return self.config.prompt_template.format(question=question, options=lines)
 
-    def token_ids(self, question: str, options: Sequence[str], num_video_tokens: int) -> np.ndarray:
-        """Prompt ids with the one video placeholder expanded to `num_video_tokens` copies."""
+    def rendered(self, question: str, options: Sequence[str]) -> str:
+        """The chat template's text for the question, with the template's own video placeholder."""
         messages = []
         if self.config.system_prompt is not None:
             messages.append({"role": "system", "content": self.config.system_prompt})
         messages.append({"role": "user", "content": [
             {"type": "video"}, {"type": "text", "text": self.user_text(question, options)}]})
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def token_ids(self, question: str, options: Sequence[str], num_video_tokens: int) -> np.ndarray:
+        """Prompt ids with the one video placeholder expanded to `num_video_tokens` copies."""
+        rendered = self.rendered(question, options)
         ids = np.asarray(self.tokenizer.encode(rendered, add_special_tokens=False), dtype=np.int64)
         where = np.flatnonzero(ids == self.video_token_id)
         if len(where) != 1:

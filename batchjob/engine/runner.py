@@ -30,33 +30,37 @@ class ForwardOutput:
     logits: np.ndarray  # float32 [len(finished_slices), vocab]
 
 
-def encode_video(model: nn.Module, pixel_values: np.ndarray, grid_thw: tuple[int, int, int], dtype) -> mx.array:
-    """Vision tower output `[num_video_tokens, hidden]` for one clip (merged patches, LM width)."""
-    tower = model.vision_tower
-    features = tower(mx.array(pixel_values).astype(dtype), mx.array([list(grid_thw)]), output_hidden_states=False)
-    if isinstance(features, tuple):
-        features = features[0]
-    return features.astype(dtype)
+@dataclass(frozen=True)
+class VideoInjection:
+    """Where the clips' features go in this pass: flat token indices and the matching feature rows."""
+
+    token_index: mx.array  # int32 [n] positions on the packed token axis
+    rows: mx.array  # [n, hidden * (1 + num_deepstack)]
 
 
-def _embed(language_model, batch: list[ScheduledSlice], video_features: Mapping[str, FeatureRows]) -> mx.array:
-    """Token embeddings of the new tokens, with video placeholders replaced by the clip's vision features."""
-    ids = np.concatenate([s.seq.token_ids[s.seq.num_computed:s.seq.num_computed + s.num_new] for s in batch])
-    text = language_model.model.embed_tokens(mx.array(ids))
-    pieces, flat = [], 0
+def _video_injection(batch: list[ScheduledSlice], video_features: Mapping[str, FeatureRows]) -> VideoInjection | None:
+    """The video tokens among the new tokens and their rows (rows are consecutive within one slice)."""
+    where, rows, flat = [], [], 0
     for s in batch:
         lo, hi = s.seq.num_computed, s.seq.num_computed + s.num_new
-        v_lo, v_hi = max(lo, s.seq.video_span[0]), min(hi, s.seq.video_span[1])
-        if v_lo < v_hi:
-            start = s.seq.video_span[0]
-            pieces.append(text[flat:flat + v_lo - lo])
-            pieces.append(video_features[s.seq.media_key].slice(v_lo - start, v_hi - start).astype(text.dtype))
-            pieces.append(text[flat + v_hi - lo:flat + s.num_new])
-        else:
-            pieces.append(text[flat:flat + s.num_new])
+        first, end = s.seq.rows_between(lo, hi)
+        if first < end:
+            where.append(flat + np.flatnonzero(s.seq.video_rows[lo:hi] >= 0))
+            rows.append(video_features[s.seq.media_key].slice(first, end))
         flat += s.num_new
-    pieces = [p for p in pieces if p.shape[0]]
-    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+    if not where:
+        return None
+    return VideoInjection(mx.array(np.concatenate(where).astype(np.int32)),
+                          rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0))
+
+
+def _embed(language_model, batch: list[ScheduledSlice], video: VideoInjection | None) -> mx.array:
+    """Token embeddings of the new tokens, with video placeholders replaced by the clip's vision features."""
+    ids = np.concatenate([s.seq.token_ids[s.seq.num_computed:s.seq.num_computed + s.num_new] for s in batch])
+    h = language_model.model.embed_tokens(mx.array(ids))
+    if video is not None:
+        h[video.token_index] = video.rows[:, :h.shape[-1]].astype(h.dtype)
+    return h
 
 
 def forward(
@@ -65,18 +69,25 @@ def forward(
     kv_cache: KVCache,
     attention: AttentionFn,
     video_features: Mapping[str, FeatureRows],
+    num_deepstack: int = 0,
 ) -> ForwardOutput:
-    """Run the decoder over the packed batch, writing KV; logits only at finishing sequences' last token."""
+    """Run the decoder over the packed batch, writing KV; logits only at finishing sequences' last token.
+
+    With DeepStack (Qwen3-VL), feature set i is added to the video tokens' hidden states after layer i."""
     lm = model.language_model
     meta = build_attention_metadata([s.attention_slice() for s in batch], kv_cache.block_size)
     positions = np.concatenate(
         [s.seq.positions[:, s.seq.num_computed:s.seq.num_computed + s.num_new] for s in batch], axis=1)
-    h = _embed(lm, batch, video_features)[None]
+    video = _video_injection(batch, video_features)
+    h = _embed(lm, batch, video)[None]
     rotary = lm.model.layers[0].self_attn.rotary_emb
     position_embeddings = rotary(h, mx.array(positions[:, None, :]))
     with attention_context(AttentionContext(meta, kv_cache, attention)):
-        for layer in lm.model.layers:
+        for i, layer in enumerate(lm.model.layers):
             h = layer(h, None, None, None, position_embeddings)
+            if video is not None and i < num_deepstack:
+                width = h.shape[-1]
+                h = h.at[:, video.token_index].add(video.rows[None, :, width * (i + 1):width * (i + 2)].astype(h.dtype))
     finished = [i for i, s in enumerate(batch) if s.is_last_chunk]
     if not finished:  # a chunk of a long prompt: only the cache writes matter
         mx.eval(kv_cache.k, kv_cache.v)

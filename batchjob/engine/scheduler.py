@@ -32,6 +32,8 @@ class Sequence:
     option_token_ids: list[int]
     share_prefix: bool = True  # False: hash the whole prompt with the (unique) media key, so nothing is shared
     grid_thw: tuple[int, int, int] = (0, 0, 0)
+    # int32 [L]: the clip's feature row of each video token, -1 for text (Qwen3-VL interleaves timestamps)
+    video_rows: np.ndarray | None = None
     num_computed: int = 0
     num_cached: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -43,6 +45,12 @@ class Sequence:
     @property
     def remaining(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def rows_between(self, lo: int, hi: int) -> tuple[int, int]:
+        """[first, end) feature rows of the video tokens among prompt tokens [lo, hi) (empty: first == end)."""
+        rows = self.video_rows[lo:hi]
+        rows = rows[rows >= 0]
+        return (int(rows[0]), int(rows[-1]) + 1) if len(rows) else (0, 0)
 
     @property
     def prefix_done(self) -> bool:

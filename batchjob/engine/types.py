@@ -76,6 +76,9 @@ class EngineConfig:
     # "nominal": n / total_num_frames * fps, the temporal step the model was trained with (transformers, vLLM);
     # "actual": the sampled frames' mean spacing (see preprocess.sampling_fps).
     temporal_step: str = "nominal"
+    # Qwen3-VL's per-group time text: "actual" = the decoded frames' presentation times (loader metadata
+    # `frames_timestamps`), "nominal" = frames_indices / fps as transformers' processor computes it.
+    timestamps: str = "actual"
 
     def validate(self) -> None:
         """Raise EngineError naming the setting and the fix for settings no schedule could run with."""
@@ -97,6 +100,7 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "float16", "bfloat16"),
              "dtype must be one of auto, float32, float16, bfloat16"),
             (self.temporal_step in ("nominal", "actual"), "temporal_step must be one of nominal, actual"),
+            (self.timestamps in ("actual", "nominal"), "timestamps must be one of actual, nominal"),
             (self.attention_backend in ("auto", "portable", "metal"),
              "attention_backend must be one of auto, portable, metal"),
         ]

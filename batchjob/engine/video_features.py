@@ -31,6 +31,12 @@ class FeatureRows:
         return self.rows[lo - self.first_row:hi - self.first_row]
 
 
+def tail_first_row(video_rows: np.ndarray, video_span: tuple[int, int], block_size: int) -> int:
+    """First feature row of the video's last partial KV block: video tokens before that block's start."""
+    boundary = video_span[1] // block_size * block_size
+    return int((np.asarray(video_rows[:boundary]) >= 0).sum())
+
+
 class VideoFeatureCache:
     def __init__(self, block_size: int, max_tails: int = 1024):
         self.block_size = block_size
@@ -51,14 +57,14 @@ class VideoFeatureCache:
         self._clips[key] = FeatureRows(0, features)
         return self._clips[key]
 
-    def release_clip(self, key: str, video_span: tuple[int, int], keep_tail: bool) -> None:
-        """The clip's requests are done: drop its features, keeping the last partial block's rows."""
+    def release_clip(self, key: str, first_row: int, keep_tail: bool) -> None:
+        """The clip's requests are done: drop its features, keeping rows from `first_row` on (the video rows
+        of the last, partial KV block: see `tail_first_row`)."""
         full = self._clips.pop(key, None)
         if full is None or not keep_tail:
             return
-        start, end = video_span
-        first = max(0, end // self.block_size * self.block_size - start)
-        if first < end - start:
+        first = max(0, first_row)
+        if first < full.rows.shape[0]:
             # Through the host, so the tail is a copy: an MLX slice would keep the whole matrix alive.
             rows = full.rows[first:]
             tail = mx.array(np.array(rows.astype(mx.float32))).astype(rows.dtype)

@@ -176,6 +176,15 @@ def visible_frame_count(stream: av.video.stream.VideoStream) -> int | None:
     return sum(1 for i in range(count) if not entries[i].is_discard)
 
 
+def pts_seconds(stream: av.video.stream.VideoStream, pts: list[int]) -> list[float]:
+    """Presentation times in seconds from the stream's start (metadata `frames_timestamps`): the real time
+    of each returned frame, which Qwen3-VL prompts carry as text; for irregular keyframes it differs from
+    `frames_indices / fps`."""
+    start = stream.start_time if stream.start_time is not None else 0
+    base = stream.time_base
+    return [float((p - start) * base) for p in pts]
+
+
 def nominal_fps(stream: av.video.stream.VideoStream) -> float:
     """Average frame rate as the container states it (the engine spaces temporal positions by it)."""
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate

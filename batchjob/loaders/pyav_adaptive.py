@@ -22,7 +22,8 @@ import numpy as np
 
 from batchjob.loaders.errors import InvalidArgument
 from batchjob.loaders.keyframes import from_sweep, list_keyframes
-from batchjob.loaders.media import ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, stack_frames
+from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, pts_seconds,
+                                   stack_frames)
 from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY
 from batchjob.loaders.request import FrameRequest
 from batchjob.loaders.sampling import exact_frames, keyframe_frames, require_keyframes
@@ -45,17 +46,18 @@ def load_adaptive(source: Source, num_frames: int = 16, *, fps: float = -1, fram
         facts = ClipFacts(listing.total_num_frames, nominal_fps(stream))
         num_frames = request.count(facts.total_num_frames, facts.duration)
         if len(listing.keyframes) >= num_frames:
-            frames, indices = keyframe_frames(container, stream, listing, num_frames, label)
+            frames, indices, pts = keyframe_frames(container, stream, listing, num_frames, label)
             extra = {"adaptive_mode": "keyframes", "decoded_frames": len(set(indices))}
         else:
             if listing.sorted_pts is None:  # the sample table has no presentation times: sweep once
                 listing = from_sweep(container, stream, label)
                 require_keyframes(listing, label)
-            frames, indices, decoded = exact_frames(container, stream, listing, num_frames,
-                                                    max_decoded_frames, label)
+            frames, indices, decoded, pts = exact_frames(container, stream, listing, num_frames,
+                                                         max_decoded_frames, label)
             extra = {"adaptive_mode": "fill", "decoded_frames": decoded}
         return stack_frames(frames, label), facts.metadata(NAME, indices, keyframe_source=listing.source,
-                                                            num_keyframes=len(listing.keyframes), **extra)
+                                                            num_keyframes=len(listing.keyframes),
+                                                            frames_timestamps=pts_seconds(stream, pts), **extra)
 
 
 @VIDEO_LOADER_REGISTRY.register(NAME)

@@ -18,7 +18,8 @@ import os
 import numpy as np
 
 from batchjob.loaders.keyframes import list_keyframes
-from batchjob.loaders.media import ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, stack_frames
+from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, pts_seconds,
+                                   stack_frames)
 from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY
 from batchjob.loaders.request import FrameRequest
 from batchjob.loaders.sampling import keyframe_frames, require_keyframes
@@ -37,9 +38,10 @@ def load_keyframes(source: Source, num_frames: int = 16, *, fps: float = -1, fra
         require_keyframes(listing, label)
         facts = ClipFacts(listing.total_num_frames, nominal_fps(stream))
         count = request.count(facts.total_num_frames, facts.duration, every=len(listing.keyframes))
-        frames, indices = keyframe_frames(container, stream, listing, count, label)
+        frames, indices, pts = keyframe_frames(container, stream, listing, count, label)
         return stack_frames(frames, label), facts.metadata(NAME, indices, keyframe_source=listing.source,
-                                                            num_keyframes=len(listing.keyframes))
+                                                            num_keyframes=len(listing.keyframes),
+                                                            frames_timestamps=pts_seconds(stream, pts))
 
 
 @VIDEO_LOADER_REGISTRY.register(NAME)

@@ -25,12 +25,12 @@ def require_keyframes(listing: KeyframeListing, label: str) -> None:
 
 
 def keyframe_frames(container, stream, listing: KeyframeListing, num_frames: int,
-                    label: str) -> tuple[list[np.ndarray], list[int]]:
-    """Decode each picked keyframe once, in file order; return frames and indices in pick order."""
+                    label: str) -> tuple[list[np.ndarray], list[int], list[int]]:
+    """Decode each picked keyframe once, in file order; return frames, indices and PTS in pick order."""
     picks = keyframe_picks(len(listing.keyframes), num_frames)
     prepare_keyframe_decoder(stream)
     decoded = {p: read_keyframe(container, stream, listing.keyframes[p], label) for p in sorted(set(picks))}
-    return [decoded[p][0] for p in picks], [decoded[p][2] for p in picks]
+    return [decoded[p][0] for p in picks], [decoded[p][2] for p in picks], [decoded[p][1] for p in picks]
 
 
 def exact_frames(container, stream, listing: KeyframeListing, num_frames: int, max_decoded_frames: int,
@@ -38,7 +38,7 @@ def exact_frames(container, stream, listing: KeyframeListing, num_frames: int, m
     """Uniformly placed exact frames, each decoded forward from the keyframe before it.
 
     Needs a sweep listing (every frame's PTS), since the sample table only gives decode timestamps.
-    Returns frames, indices and how many pictures were decoded.
+    Returns frames, indices, how many pictures were decoded, and the frames' PTS.
     """
     assert listing.sorted_pts is not None, "exact frames need the sweep's presentation timestamps"
     kf_indices = [k.index for k in listing.keyframes]
@@ -54,4 +54,5 @@ def exact_frames(container, stream, listing: KeyframeListing, num_frames: int, m
         found, decoded = decode_run(container, stream, listing.keyframes[position], wanted, label, span)
         pictures.update(found)
         total_decoded += decoded
-    return [pictures[listing.sorted_pts[t]] for t in targets], targets, total_decoded
+    return ([pictures[listing.sorted_pts[t]] for t in targets], targets, total_decoded,
+            [listing.sorted_pts[t] for t in targets])

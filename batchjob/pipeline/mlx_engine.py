@@ -23,7 +23,7 @@ def engine_config(model: ModelConfig, prompt: PromptConfig):
     return EngineConfig(dtype=model.dtype, min_pixels=model.min_pixels, max_pixels=model.max_pixels,
                         max_num_batched_tokens=model.max_num_batched_tokens, max_model_len=model.max_model_len,
                         memory_budget_gb=model.memory_budget_gb, temporal_step=model.temporal_step,
-                        option_labels=tuple(prompt.option_labels), system_prompt=prompt.system, **extra)
+                        timestamps=model.timestamps, option_labels=tuple(prompt.option_labels), system_prompt=prompt.system, **extra)
 
 
 class MlxClipPreparer:
@@ -72,7 +72,8 @@ class MlxEngine(EngineBase):
         if not path.is_dir():
             return None
         try:
-            return MlxClipPreparer(load_vision_settings(path, model.min_pixels, model.max_pixels, model.temporal_step))
+            return MlxClipPreparer(load_vision_settings(path, model.min_pixels, model.max_pixels, model.temporal_step,
+                                                        model.timestamps))
         except EngineError:
             return None
 
@@ -94,7 +95,7 @@ class MlxEngine(EngineBase):
     def describe(self) -> EngineDescription:
         return EngineDescription("mlx", self.model_id, {
             "attention_backend": self._clf.attention_backend, "dtype": str(self._clf.checkpoint.dtype),
-            "temporal_step": self._model.temporal_step})
+            "temporal_step": self._model.temporal_step, "timestamps": self._model.timestamps})
 
     def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:
         from batchjob.engine import ClassifyRequest, Clip, VideoInputs

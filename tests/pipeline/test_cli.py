@@ -86,3 +86,6 @@ def test_shipped_configs_parse_and_demo_copy_matches():
         assert (cfg.model.checkpoint, cfg.model.max_pixels, cfg.loader.name, cfg.loader.num_frames) == \
             ("Qwen/Qwen2.5-VL-7B-Instruct", 256 * 28 * 28, "pyav_keyframes", 16)
     assert (root / "configs/demo.yaml").read_text() == (root / "batchjob/assets/demo.yaml").read_text()
+    qwen3 = load_config(root / "configs" / "nextqa-qwen3vl.yaml")
+    assert (qwen3.model.checkpoint, qwen3.model.timestamps, qwen3.loader.name) == \
+        ("Qwen/Qwen3-VL-8B-Instruct", "actual", "pyav_keyframes")

@@ -59,3 +59,17 @@ def test_no_preparer_when_the_engine_must_find_the_checkpoint_itself(checkpoint,
     assert clip_preparer(ModelConfig(checkpoint=str(bare))) is None   # the engine's load reports it
     monkeypatch.setitem(engines.ENGINES, "frames-only", "batchjob.contract:EngineBase")   # offers no preparer
     assert clip_preparer(ModelConfig(checkpoint=str(checkpoint), engine="frames-only")) is None
+
+
+@pytest.mark.parametrize("timestamps", ["actual", "nominal"])
+def test_preparer_settings_equal_the_engines(checkpoint, timestamps):
+    """Whatever the job's timestamps rule (used by Qwen3-VL only), decoder-side settings equal the engine's,
+    or every prepared clip would be refused."""
+    import json
+
+    from batchjob.engine import EngineConfig
+    from batchjob.engine.families import family_for
+
+    prep = clip_preparer(ModelConfig(checkpoint=str(checkpoint), timestamps=timestamps, temporal_step="actual"))
+    family = family_for(json.loads((checkpoint / "config.json").read_text()), checkpoint)
+    assert prep.settings == family.vision_settings(EngineConfig(timestamps=timestamps, temporal_step="actual"))

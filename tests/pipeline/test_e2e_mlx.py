@@ -11,12 +11,14 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.slow]   # each starts Ray (12-20 s on a busy 2-core machine)
 
 
-def test_demo_end_to_end_matches_direct_classifier(tmp_path, h, isolated_network):
-    res = h.run_cli("demo", "--cache", str(tmp_path), "--clips", "6", timeout=600)
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isolated_network):
+    res = h.run_cli("demo", "--cache", str(tmp_path), "--clips", "6", "--model-type", model_type, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     root = tmp_path / "demo"
     records = h.manifest_records(root / "manifest.jsonl")
-    rows = h.read_rows(root / "output")
+    suffix = "" if model_type == "qwen2_5_vl" else f"-{model_type}"
+    rows = h.read_rows(root / f"output{suffix}")
     assert sorted(r["row_id"] for r in rows) == sorted(r["id"] for r in records) and len(records) == 18
     for r in rows:
         assert r["error"] is None, r
@@ -25,7 +27,7 @@ def test_demo_end_to_end_matches_direct_classifier(tmp_path, h, isolated_network
         assert r["correct"] == (r["pred_index"] == r["answer"]) and len(r["frame_indices"]) == 8
         assert r["prompt_tokens"] > 0 and r["model"]
 
-    rep = h.run_cli("report", str(root / "output"), "--json")
+    rep = h.run_cli("report", str(root / f"output{suffix}"), "--json")
     s = json.loads(rep.stdout)
     assert s["accuracy"] == pytest.approx(sum(r["correct"] for r in rows) / len(rows))
     assert s["rows"] == 18 and s["errors"] == 0 and s["loaders"] == ["pyav_keyframes"]
@@ -35,7 +37,7 @@ def test_demo_end_to_end_matches_direct_classifier(tmp_path, h, isolated_network
     from batchjob.engine import Classifier, ClassifyRequest, Clip, EngineConfig
     from batchjob.loaders import load_video
 
-    cfg = load_config(root / "demo.yaml")
+    cfg = load_config(root / f"demo{suffix}.yaml")
     clf = Classifier.from_pretrained(cfg.model.checkpoint, EngineConfig(
         dtype="float32", max_pixels=cfg.model.max_pixels, memory_budget_gb=1.0))
     for row in random.sample(rows, 3):
