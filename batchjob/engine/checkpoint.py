@@ -14,11 +14,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from .device import activate, resolve_dtype, select_device
 from .preprocess import VisionSettings, load_vision_settings
+from .qwen25_vision import patch_window_index
 from .types import EngineConfig, EngineError
 
 SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
-_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 @dataclass
@@ -34,6 +35,7 @@ class LoadedCheckpoint:
     tokens_per_second: float | None  # None for Qwen2-VL (temporal positions step by one)
     dtype: mx.Dtype
     weights_bytes: int
+    device: str = "cpu"  # "cpu" | "metal" | "cuda"
 
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:
@@ -81,15 +83,6 @@ def _check_files(path: Path) -> None:
         raise EngineError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them in")
 
 
-def compute_dtype(config: EngineConfig, hf_config: dict) -> mx.Dtype:
-    """fp32 on CPU (MLX has fast BLAS only for fp32 there); the checkpoint's own dtype on a GPU."""
-    if config.dtype != "auto":
-        return _DTYPES[config.dtype]
-    if mx.default_device() == mx.cpu:
-        return mx.float32
-    return _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"), mx.float32)
-
-
 def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedCheckpoint:
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import load_model
@@ -99,12 +92,16 @@ def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedChe
     hf_config = _read_config(path)
     _check_files(path)
     vision = load_vision_settings(path, config.min_pixels, config.max_pixels)
+    device = select_device(config.device)
+    activate(device)
     try:
         mlx_model = load_model(path)
     except Exception as exc:
         raise EngineError(f"{path}: mlx-vlm could not build the model ({type(exc).__name__}: {exc})") from exc
-    dtype = compute_dtype(config, hf_config)
+    dtype = resolve_dtype(config.dtype, device)
     mlx_model.set_dtype(dtype)
+    if hf_config["model_type"] == "qwen2_5_vl":
+        patch_window_index(mlx_model.vision_tower)
     mx.eval(mlx_model.parameters())
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -124,4 +121,5 @@ def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedChe
         tokens_per_second=float(vision_config.get("tokens_per_second", 2)) if is_qwen25 else None,
         dtype=dtype,
         weights_bytes=sum(v.nbytes for _, v in tree_flatten(mlx_model.parameters())),
+        device=device,
     )

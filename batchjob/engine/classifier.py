@@ -16,10 +16,11 @@ import mlx.core as mx
 import numpy as np
 
 from batchjob.metal_backend import (BlockPool, KVCache, KVCacheBudgetError, paged_attention, plan_num_blocks,
-                                    select_attention_backend)
+                                    select_attention_backend, select_cuda_backend)
 
 from .attention import install_paged_attention
 from .checkpoint import LoadedCheckpoint, load_checkpoint
+from .device import EngineRuntime, dtype_name
 from .mrope import mrope_positions, placeholder_runs, video_temporal_interval
 from .preprocess import check_frames, check_prepared, image_processor, plan_video, preprocess_video
 from .prompt import PromptBuilder
@@ -41,16 +42,24 @@ def _default_budget_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.75)
 
 
-def _select_attention(config: EngineConfig, dtype: mx.Dtype):
-    """(name, function): Metal kernels when they pass metal_backend's probe in our dtype, else portable."""
+def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tuple[str, str, object]:
+    """(name, reason, function): our kernels for the device when they pass the probe, else the portable path."""
     if config.attention_backend == "portable":
-        return "portable", paged_attention
-    backend = select_attention_backend(probe=True, dtype=dtype)
+        return "portable", "portable path requested (attention_backend='portable')", paged_attention
+    dtype = checkpoint.dtype
+    if checkpoint.device == "cuda":
+        lm = checkpoint.model.language_model
+        shape = dict(num_q_heads=lm.args.num_attention_heads, num_kv_heads=lm.n_kv_heads, head_dim=lm.head_dim,
+                     block_size=config.block_size)
+        backend = select_cuda_backend(probe=True, dtype=dtype, model_shape=shape)
+    else:
+        backend = select_attention_backend(probe=True, dtype=dtype)
     log.info("attention backend %s: %s", backend.name, backend.reason)
-    if config.attention_backend == "metal" and backend.name != "metal":
-        raise EngineError(f"EngineConfig.attention_backend='metal' but the kernels are unusable: {backend.reason}; "
-                          "use attention_backend='auto' to fall back to the portable path")
-    return backend.name, backend
+    wanted = config.attention_backend
+    if wanted in ("metal", "cuda") and backend.name != wanted:
+        raise EngineError(f"EngineConfig.attention_backend={wanted!r} but the kernels are unusable here: "
+                          f"{backend.reason}; use attention_backend='auto' to fall back to the portable path")
+    return backend.name, backend.reason, backend
 
 
 class Classifier:
@@ -61,7 +70,8 @@ class Classifier:
         self.checkpoint = checkpoint
         self.model_id = checkpoint.model_id
         self.prompts = PromptBuilder(checkpoint.tokenizer, config, checkpoint.video_token_id, str(checkpoint.path))
-        self.attention_backend, self._attention = _select_attention(config, checkpoint.dtype)
+        self.attention_backend, reason, self._attention = _select_attention(config, checkpoint)
+        self.runtime = EngineRuntime(checkpoint.device, dtype_name(checkpoint.dtype), self.attention_backend, reason)
         lm = checkpoint.model.language_model
         num_layers = install_paged_attention(lm)
         head_dim, kv_heads = lm.head_dim, lm.n_kv_heads

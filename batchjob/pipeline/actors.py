@@ -103,6 +103,11 @@ class EngineHost:
     def ready(self) -> str:
         return self.engine.model_id
 
+    def runtime_info(self) -> dict[str, str]:
+        """What the engine runs on (device, dtype, attention backend); {} for engines that do not say."""
+        info = getattr(self.engine, "runtime_info", None)
+        return dict(info()) if callable(info) else {}
+
     def answer(self, specs: Sequence[tuple[dict, str, Sequence[tuple[str, str, tuple[str, ...]]]]],
                *frames: np.ndarray) -> tuple[list[tuple], float]:
         """specs[i] = (metadata, media_id, questions) of the clip whose frames are frames[i].

@@ -89,12 +89,16 @@ class MlxEngine:
         extra: dict[str, Any] = {}
         if prompt.template is not None:
             extra["prompt_template"] = prompt.template
-        cfg = EngineConfig(dtype=model.dtype, min_pixels=model.min_pixels, max_pixels=model.max_pixels,
+        cfg = EngineConfig(dtype=model.dtype, device=model.device, min_pixels=model.min_pixels, max_pixels=model.max_pixels,
                            max_num_batched_tokens=model.max_num_batched_tokens, max_model_len=model.max_model_len,
                            memory_budget_gb=model.memory_budget_gb, option_labels=tuple(prompt.option_labels),
                            system_prompt=prompt.system, **extra)
         self._clf = Classifier.from_pretrained(model.checkpoint, cfg)
         self.model_id = self._clf.model_id
+
+    def runtime_info(self) -> dict[str, str]:
+        """Device, dtype and attention backend the engine chose (run summary, Parquet metadata)."""
+        return self._clf.runtime.as_dict()
 
     def answer(self, clips: Sequence[ClipQuestions]) -> list[Answer]:
         from batchjob.engine import ClassifyRequest, Clip, VideoInputs

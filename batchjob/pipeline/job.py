@@ -130,6 +130,9 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
             raise EngineStartError(f"engine {cfg.model.engine!r} could not load {cfg.model.checkpoint}: "
                                    f"{lines[-1] if lines else type(err).__name__}") from None
         stats.model = model_ids[0]
+        stats.engine_runtime = ray.get(engines[0].runtime_info.remote())
+        if stats.engine_runtime:
+            writer.add_metadata({"engine_runtime": stats.engine_runtime})
         if _terminate.is_set():          # SIGTERM while the model loaded
             raise JobTerminated()
 

@@ -149,6 +149,11 @@ class PartWriter:
         self._buffer: list[dict[str, Any]] = []
         self._last_write = time.monotonic()
 
+    def add_metadata(self, extra: dict[str, Any]) -> None:
+        """Merge `extra` into the metadata of the parts written from now on (e.g. the engine's device)."""
+        current = json.loads(self._meta[METADATA_KEY])
+        self._meta = {METADATA_KEY: json.dumps({**current, **extra}, default=str).encode()}
+
     def add(self, rows: list[dict[str, Any]]) -> None:
         self._buffer.extend(rows)
         if len(self._buffer) >= self.rows_per_part:
