@@ -72,6 +72,7 @@ class Classifier:
         self.prompts = PromptBuilder(checkpoint.tokenizer, config, checkpoint.video_token_id, str(checkpoint.path))
         self.attention_backend, reason, self._attention = _select_attention(config, checkpoint)
         self.runtime = EngineRuntime(checkpoint.device, dtype_name(checkpoint.dtype), self.attention_backend, reason)
+        self._device = mx.cpu if checkpoint.device == "cpu" else mx.gpu  # pinned: several engines may share a process
         lm = checkpoint.model.language_model
         num_layers = install_paged_attention(lm)
         head_dim, kv_heads = lm.head_dim, lm.n_kv_heads
@@ -149,6 +150,10 @@ class Classifier:
     # --- the loop ------------------------------------------------------------------------------------------
     def classify(self, requests: Seq[ClassifyRequest]) -> list[ClassifyResult]:
         """Answer every request; results come back in request order, failed requests as error results."""
+        with mx.stream(self._device):
+            return self._classify(requests)
+
+    def _classify(self, requests: Seq[ClassifyRequest]) -> list[ClassifyResult]:
         call_id = next(self._call_ids)
         results: list[ClassifyResult | None] = [None] * len(requests)
         scheduler = Scheduler(self.pool, self.config.max_num_batched_tokens)
