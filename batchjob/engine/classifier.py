@@ -190,8 +190,9 @@ class Classifier:
         return results  # type: ignore[return-value]
 
 
-def _result(request_id: str, seq: Sequence, logits: np.ndarray) -> ClassifyResult:
-    option_logits = logits[seq.option_token_ids].astype(np.float64)
+def _result(request_id: str, seq: Sequence, option_row: np.ndarray) -> ClassifyResult:
+    """`option_row`: this request's option-token logits (fp32 from the device, padded past its options)."""
+    option_logits = option_row[:len(seq.option_token_ids)].astype(np.float64)
     shifted = option_logits - option_logits.max()
     logprobs = shifted - np.log(np.exp(shifted).sum())
     probs = np.exp(logprobs)
