@@ -17,6 +17,7 @@ import numpy as np
 
 from batchjob.metal_backend import (BlockPool, KVCache, KVCacheBudgetError, paged_attention, plan_num_blocks,
                                     select_attention_backend, select_cuda_backend)
+from batchjob.metal_backend.selection import gpu_portable_attention
 
 from .attention import install_paged_attention
 from .checkpoint import LoadedCheckpoint, load_checkpoint
@@ -45,7 +46,8 @@ def _default_budget_bytes() -> int:
 def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tuple[str, str, object]:
     """(name, reason, function): our kernels for the device when they pass the probe, else the portable path."""
     if config.attention_backend == "portable":
-        return "portable", "portable path requested (attention_backend='portable')", paged_attention
+        fn = paged_attention if checkpoint.device == "cpu" else gpu_portable_attention(checkpoint.dtype)
+        return "portable", "portable path requested (attention_backend='portable')", fn
     dtype = checkpoint.dtype
     if checkpoint.device == "cuda":
         lm = checkpoint.model.language_model

@@ -8,6 +8,7 @@ one). Any exception, non-finite value or mismatch is logged with the reason and 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -146,12 +147,25 @@ def median_ms(fn, batch, repeats: int = 7) -> float:
     return float(np.median(times))
 
 
+GPU_QUERY_CHUNK = 4096  # query rows per SDPA call on a GPU in half precision (see gpu_portable_attention)
+
+
+def gpu_portable_attention(dtype: mx.Dtype) -> AttentionFn:
+    """The portable path tuned for a GPU: in bf16/fp16 MLX's SDPA is a fused kernel that never materialises the
+    score matrix, so the 512-row query chunks that bound CPU memory only add launches; fp32 falls back to
+    unfused ops there, so it keeps them."""
+    if dtype in (mx.bfloat16, mx.float16):
+        return functools.partial(paged_attention, query_chunk=GPU_QUERY_CHUNK)
+    return paged_attention
+
+
 @dataclass
 class PerCaseAttention:
     """The faster correct implementation for each batch case (kernel or portable SDPA), chosen at start."""
 
     choice: dict[str, str]  # case -> "kernel" | "portable"
     kernel: AttentionFn
+    portable: AttentionFn = paged_attention
 
     def __call__(self, q, k_cache, v_cache, meta, scale):
         if self.choice.get(batch_case(meta)) == "kernel":
@@ -159,7 +173,7 @@ class PerCaseAttention:
                 return self.kernel(q, k_cache, v_cache, meta, scale)
             except ValueError:  # a launch the kernel refuses (grid limits): the portable path is always right
                 pass
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        return self.portable(q, k_cache, v_cache, meta, scale)
 
 
 def _load_cuda_kernel() -> AttentionFn:
@@ -181,7 +195,7 @@ def select_cuda_backend(
     `model_shape` (num_q_heads, num_kv_heads, head_dim, block_size) shapes the timing batches; without it the
     kernels are used wherever they pass the probe. `load_kernel` and `timer` are injectable for CPU tests.
     """
-    portable = paged_attention
+    portable = gpu_portable_attention(dtype)
     try:
         kernel = load_kernel()
     except Exception as exc:
@@ -196,7 +210,7 @@ def select_cuda_backend(
             return AttentionBackend("portable", reason, portable)
     if model_shape is None:
         return AttentionBackend("cuda", f"CUDA kernels matched the portable path on the probe ({dtype})",
-                                PerCaseAttention({"prefill": "kernel", "follower": "kernel"}, kernel))
+                                PerCaseAttention({"prefill": "kernel", "follower": "kernel"}, kernel, portable))
     choice, notes = {}, []
     for case, batch in timing_batches(dtype, **model_shape).items():
         try:
@@ -212,4 +226,4 @@ def select_cuda_backend(
     reason = (f"CUDA kernels matched the portable path on the probe ({dtype}); "
               f"kernel used for {', '.join(used) or 'no case'} ({'; '.join(notes)})")
     log.info(reason)
-    return AttentionBackend(name, reason, PerCaseAttention(choice, kernel) if used else portable)
+    return AttentionBackend(name, reason, PerCaseAttention(choice, kernel, portable) if used else portable)
