@@ -267,10 +267,15 @@ def transformers_baseline(cfg_dir: Path, workload, token_ids, video_token_id, se
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     torch.manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu only under --smoke
     config = AutoConfig.from_pretrained(cfg_dir)
-    with torch.device("cuda"):
+    with torch.device(dev):
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.eval()
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
 
     def inputs_for(reqs):
         ids = [token_ids(r) for r in reqs]
@@ -284,15 +289,15 @@ def transformers_baseline(cfg_dir: Path, workload, token_ids, video_token_id, se
         pixels = torch.from_numpy(np.concatenate([r.clip.inputs.pixel_values for r in reqs]))
         grids = torch.tensor([list(r.clip.inputs.grid_thw) for r in reqs])
         spg = torch.tensor([r.clip.inputs.second_per_grid_t for r in reqs], dtype=torch.float32)
-        return dict(input_ids=input_ids.cuda(), attention_mask=mask.cuda(),
-                    pixel_values_videos=pixels.cuda().to(torch.bfloat16), video_grid_thw=grids.cuda(),
-                    second_per_grid_ts=spg.cuda(),
-                    mm_token_type_ids=((input_ids == video_token_id).to(torch.int32) * 2).cuda(), logits_to_keep=1)
+        return dict(input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
+                    pixel_values_videos=pixels.to(dev).to(torch.bfloat16), video_grid_thw=grids.to(dev),
+                    second_per_grid_ts=spg.to(dev),
+                    mm_token_type_ids=((input_ids == video_token_id).to(torch.int32) * 2).to(dev), logits_to_keep=1)
 
     @torch.inference_mode()
     def run(reqs):
         out = model(**inputs_for(reqs)).logits[:, -1].float()
-        torch.cuda.synchronize()
+        sync()
         return out
 
     result = {}
@@ -317,21 +322,22 @@ def transformers_baseline(cfg_dir: Path, workload, token_ids, video_token_id, se
     # Vision tower alone, one clip.
     visual = model.model.visual
     r = workload[0]
-    px = torch.from_numpy(r.clip.inputs.pixel_values).cuda().to(torch.bfloat16)
-    grid = torch.tensor([list(r.clip.inputs.grid_thw)]).cuda()
+    px = torch.from_numpy(r.clip.inputs.pixel_values).to(dev).to(torch.bfloat16)
+    grid = torch.tensor([list(r.clip.inputs.grid_thw)]).to(dev)
     with torch.inference_mode():
         visual(px, grid_thw=grid)
-        torch.cuda.synchronize()
+        sync()
         times = []
         for _ in range(5):
             t0 = time.perf_counter()
             visual(px, grid_thw=grid)
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t0)
     result["vision_ms_per_clip"] = median(times) * 1e3
     del model
     gc.collect()
-    torch.cuda.empty_cache()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
@@ -355,7 +361,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         DIMS.update(SMOKE)
-        args.skip_transformers = True
 
     import mlx.core as mx
 
