@@ -148,3 +148,18 @@ def test_one_run_per_output_directory(tmp_path):
         lock_output(tmp_path / "out")
     os.close(fd)                       # the run ends (or is killed): the lock goes with it
     os.close(lock_output(tmp_path / "out"))
+
+
+def test_engine_runtime_reaches_the_parquet_metadata(tmp_path):
+    """The device, dtype and attention backend the engine chose are stored with every part written after."""
+    from batchjob.pipeline.output import read_file_metadata
+
+    w = PartWriter(tmp_path, {"job": "t", "fingerprint": "fp1"}, rows_per_part=2, flush_seconds=60)
+    runtime = {"device": "cuda", "dtype": "bfloat16", "attention_backend": "cuda", "attention_reason": "probe ok"}
+    w.add_metadata({"engine_runtime": runtime})
+    rng = random.Random()
+    now = datetime.now(timezone.utc)
+    w.add([make_result(rng, r, "x", now, now) for r in random_rows(rng, 3)])
+    w.flush()
+    meta = read_file_metadata(tmp_path)
+    assert meta["engine_runtime"] == runtime and meta["fingerprint"] == "fp1" and meta["job"] == "t"
