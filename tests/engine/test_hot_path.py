@@ -103,3 +103,24 @@ def test_kv_cache_is_written_in_place(tiny_classifier, rng, make_clip, make_requ
 
     monkeypatch.setattr(attention.PagedAttention, "__call__", holding)
     assert extra_peak("copied") >= layer_bytes
+
+
+def test_gather_indices_are_planned_once_per_forward(rng, monkeypatch):
+    """Scattered blocks (a follower reading a shared prefix): the gather rows are built by the first call and
+    reused by K, V and every later layer; the answer equals a fresh (unplanned) computation."""
+    from batchjob.metal_backend import attention, paged_attention
+    from batchjob.metal_backend.probe import make_ragged_batch
+
+    batch = make_ragged_batch(rng, [5, 1, 1, 9], [40, 17, 33, 0], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                              block_size=16)
+    calls = []
+    real = attention.gather_rows
+    monkeypatch.setattr(attention, "gather_rows", lambda *a: calls.append(a) or real(*a))
+    first = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)
+    planned = len(calls)
+    for _ in range(3):  # three more "layers" over the same metadata
+        again = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)
+    assert planned >= 1 and len(calls) == planned
+    assert mx.array_equal(first, again).item()
+    batch.meta.plan_cache.clear()
+    assert mx.array_equal(paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2), first).item()
