@@ -18,6 +18,7 @@ import numpy as np
 from batchjob.metal_backend import KVCache, build_attention_metadata
 
 from .attention import AttentionContext, AttentionFn, attention_context
+from .qwen2_vision import encode_qwen2
 from .qwen25_vision import encode_qwen25
 from .scheduler import ScheduledSlice
 from .video_features import FeatureRows
@@ -35,12 +36,16 @@ class ForwardOutput:
 def encode_video(model: nn.Module, pixel_values: np.ndarray, grid_thw: tuple[int, int, int], dtype) -> mx.array:
     """Vision tower output `[num_video_tokens, hidden]` for one clip (merged patches, LM width)."""
     tower = model.vision_tower
-    if getattr(tower, "model_type", None) == "qwen2_5_vl":  # packed windows, no per-layer host sync
-        return encode_qwen25(tower, mx.array(pixel_values).astype(dtype), [tuple(grid_thw)]).astype(dtype)
+    encode = TOWER_FORWARDS.get(getattr(tower, "model_type", None))
+    if encode is not None:  # our packed forward: no host sync per layer
+        return encode(tower, mx.array(pixel_values).astype(dtype), [tuple(grid_thw)]).astype(dtype)
     features = tower(mx.array(pixel_values).astype(dtype), mx.array([list(grid_thw)]), output_hidden_states=False)
     if isinstance(features, tuple):
         features = features[0]
     return features.astype(dtype)
+
+
+TOWER_FORWARDS = {"qwen2_5_vl": encode_qwen25, "qwen2_vl": encode_qwen2}  # other families: mlx-vlm's forward
 
 
 def _embed(language_model, batch: list[ScheduledSlice], video_features: Mapping[str, FeatureRows]) -> mx.array:

@@ -12,8 +12,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchjob.engine.qwen25_vision import (drop_repeated_boundaries, encode_qwen25, frame_boundaries,
-                                          packed_attention, patch_window_index, segment_plan)
+from batchjob.engine.qwen2_vision import encode_qwen2
+from batchjob.engine.qwen25_vision import encode_qwen25, patch_window_index
+from batchjob.engine.vision_attention import (drop_repeated_boundaries, frame_boundaries, packed_attention,
+                                              segment_plan)
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +134,19 @@ def test_packed_attention_equals_per_segment_reference(tower, rng):
 
 def test_frame_boundaries():
     assert frame_boundaries([(2, 4, 6), (1, 2, 2)]).tolist() == [0, 24, 48, 52]
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl-gqa", "qwen2_vl-mha"])
+def test_packed_qwen2_vl_tower_matches_mlx_vlm(checkpoint_dir, rng, name, monkeypatch):
+    """Qwen2-VL's tower (full attention per frame) through the packed path equals mlx-vlm's forward, and
+    never splits per block (mlx-vlm's per-block host sync)."""
+    from mlx_vlm.utils import load_model
+
+    tower = load_model(Path(checkpoint_dir(name))).vision_tower
+    for grid in [(3, 8, 12), (1, 6, 4)]:
+        px = pixels(rng, grid)
+        want = tower(px, mx.array([list(grid)]))
+        with monkeypatch.context() as m:
+            m.setattr(mx, "split", lambda *a, **k: (_ for _ in ()).throw(AssertionError("split per block")))
+            got = encode_qwen2(tower, px, [grid])
+        assert got.shape == want.shape and float(mx.abs(got - want).max()) <= 1e-5
