@@ -53,6 +53,10 @@ class ModelConfig(_Section):
     max_num_batched_tokens: int = Field(8192, ge=16)
     max_model_len: int = Field(32768, ge=16)
     memory_budget_gb: Float | None = Field(None, gt=0)
+    temporal_step: Literal["nominal", "actual"] = Field(
+        "nominal", description="video frame rate behind the temporal position step: nominal = n / total_frames * "
+        "fps (the convention the model was trained with, as transformers and vLLM compute it); actual = the mean "
+        "spacing of the frames the loader picked")
 
 
 class LoaderConfig(_Section):
@@ -122,7 +126,8 @@ class JobConfig(_Section):
         answer_inputs = {
             "dataset_adapter": self.dataset.adapter,
             "model": {"checkpoint": m.checkpoint, "engine": m.engine, "dtype": m.dtype, "device": m.device,
-                      "min_pixels": m.min_pixels, "max_pixels": m.max_pixels},
+                      "min_pixels": m.min_pixels, "max_pixels": m.max_pixels,
+                      "temporal_step": m.temporal_step},
             "loader": self.loader.model_dump(),
             "prompt": self.prompt.model_dump(),
         }

@@ -390,8 +390,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     model = build_mlx_model(big_dir)
-    engine_config = EngineConfig(device="auto" if args.smoke else "gpu", max_model_len=8192, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 memory_budget_gb=60.0)
+    engine_config = EngineConfig(device="auto" if args.smoke else "gpu", max_model_len=8192,
+                                 max_num_batched_tokens=args.max_num_batched_tokens, memory_budget_gb=60.0)
     tiny = load_checkpoint(tiny_dir, engine_config)
     from mlx.utils import tree_flatten
 

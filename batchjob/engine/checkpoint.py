@@ -91,7 +91,7 @@ def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedChe
     path = resolve_model_dir(model)
     hf_config = _read_config(path)
     _check_files(path)
-    vision = load_vision_settings(path, config.min_pixels, config.max_pixels)
+    vision = load_vision_settings(path, config.min_pixels, config.max_pixels, config.temporal_step)
     device = select_device(config.device)
     activate(device)
     try:

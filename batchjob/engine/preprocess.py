@@ -33,6 +33,7 @@ class VisionSettings:
     merge_size: int = 2
     image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
     image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    temporal_step: str = "nominal"  # how the sampled frame rate is read from the loader's metadata: see sampling_fps
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,11 @@ def _pixel_bounds(config: dict) -> tuple[int | None, int | None]:
     return (config.get("min_pixels", size.get("shortest_edge")), config.get("max_pixels", size.get("longest_edge")))
 
 
-def load_vision_settings(model_dir: Path, min_pixels: int | None, max_pixels: int | None) -> VisionSettings:
+TEMPORAL_STEPS = ("nominal", "actual")
+
+
+def load_vision_settings(model_dir: Path, min_pixels: int | None, max_pixels: int | None,
+                         temporal_step: str = "nominal") -> VisionSettings:
     """Read the checkpoint's processor config (video config first, as transformers does), apply overrides."""
     candidates = [model_dir / "video_preprocessor_config.json", model_dir / "preprocessor_config.json"]
     found = [p for p in candidates if p.is_file()]
@@ -79,8 +84,10 @@ def load_vision_settings(model_dir: Path, min_pixels: int | None, max_pixels: in
             f"{found[0]}: pixel bounds min_pixels={lo}, max_pixels={hi} are missing or inverted; set "
             "EngineConfig.min_pixels / max_pixels"
         )
+    if temporal_step not in TEMPORAL_STEPS:
+        raise EngineError(f"temporal_step must be one of {', '.join(TEMPORAL_STEPS)}, got {temporal_step!r}")
     return VisionSettings(
-        min_pixels=int(lo), max_pixels=int(hi),
+        min_pixels=int(lo), max_pixels=int(hi), temporal_step=temporal_step,
         patch_size=int(config.get("patch_size", 14)),
         temporal_patch_size=int(config.get("temporal_patch_size", 2)),
         merge_size=int(config.get("merge_size", 2)),
@@ -100,16 +107,25 @@ def image_processor(settings: VisionSettings):
     )
 
 
-def sampling_fps(metadata: dict) -> float:
-    """Frames per second of the *sampled* frames, from the loader's `fps` and `frames_indices`.
+def sampling_fps(metadata: dict, num_frames: int | None = None, rule: str = "nominal") -> float:
+    """Frames per second of the *sampled* frames, which sets the temporal M-RoPE step.
 
-    Keyframe sampling is not evenly spaced, so we use the mean rate over the sampled span:
-    `(n - 1) / ((last_index - first_index) / fps)`. That keeps the last temporal position where the clip's
-    real duration puts it. With one frame (or all indices equal) there is no span: the source fps is used.
+    `nominal` is the convention the model was trained with, as transformers, vLLM and Qwen's own
+    preprocessing compute it: `n / total_num_frames * fps` (n sampled frames spread over the clip).
+    `actual` is the mean spacing of the frames really picked, `(n - 1) * fps / (last - first index)`: for
+    keyframe sampling it puts the last temporal position where the clip's real time puts it, but the model
+    never saw that step in training. Missing `total_num_frames` makes `nominal` fall back to `actual`; no
+    span (one frame, or all indices equal) falls back to the source fps, and no fps to Qwen's default 2.
     """
+    if rule not in TEMPORAL_STEPS:
+        raise ValueError(f"temporal step rule must be one of {', '.join(TEMPORAL_STEPS)}, got {rule!r}")
     fps = metadata.get("fps")
     fps = float(fps) if fps else DEFAULT_SAMPLING_FPS
     indices = metadata.get("frames_indices")
+    n = num_frames if num_frames is not None else (len(indices) if indices is not None else None)
+    total = metadata.get("total_num_frames")
+    if rule == "nominal" and n and total and int(total) > 0 and metadata.get("fps"):
+        return n / int(total) * fps
     if indices is None or len(indices) < 2:
         return fps
     span = float(indices[-1]) - float(indices[0])
@@ -134,7 +150,7 @@ def plan_video(shape: tuple[int, ...], metadata: dict, settings: VisionSettings)
     height, width = smart_resize(h, w, factor=p * merge, min_pixels=settings.min_pixels,
                                  max_pixels=settings.max_pixels)
     grid = (math.ceil(t / tp), height // p, width // p)
-    return VideoPlan(grid_thw=grid, second_per_grid_t=tp / sampling_fps(metadata),
+    return VideoPlan(grid_thw=grid, second_per_grid_t=tp / sampling_fps(metadata, t, settings.temporal_step),
                      num_tokens=grid[0] * grid[1] * grid[2] // merge**2)
 
 

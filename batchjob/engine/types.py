@@ -74,6 +74,9 @@ class EngineConfig:
     # baseline), and use a fixed attention backend name instead of probing ("portable").
     enable_prefix_sharing: bool = True
     attention_backend: str = "auto"
+    # "nominal": n / total_num_frames * fps, the temporal step the model was trained with (transformers, vLLM);
+    # "actual": the sampled frames' mean spacing (see preprocess.sampling_fps).
+    temporal_step: str = "nominal"
 
     def validate(self) -> None:
         """Raise EngineError naming the setting and the fix for settings no schedule could run with."""
@@ -94,6 +97,7 @@ class EngineConfig:
              "prompt_template must contain {question} and {options}"),
             (self.dtype in ("auto", "float32", "float16", "bfloat16"),
              "dtype must be one of auto, float32, float16, bfloat16"),
+            (self.temporal_step in ("nominal", "actual"), "temporal_step must be one of nominal, actual"),
             (self.device in ("auto", "cpu", "gpu"), "device must be one of auto, cpu, gpu"),
             (self.attention_backend in ("auto", "portable", "metal", "cuda"),
              "attention_backend must be one of auto, portable, metal, cuda"),

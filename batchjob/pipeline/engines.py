@@ -79,7 +79,7 @@ class MlxEngine:
         if not path.is_dir():
             return None
         try:
-            return MlxClipPreparer(load_vision_settings(path, model.min_pixels, model.max_pixels))
+            return MlxClipPreparer(load_vision_settings(path, model.min_pixels, model.max_pixels, model.temporal_step))
         except EngineError:
             return None
 
@@ -89,9 +89,11 @@ class MlxEngine:
         extra: dict[str, Any] = {}
         if prompt.template is not None:
             extra["prompt_template"] = prompt.template
-        cfg = EngineConfig(dtype=model.dtype, device=model.device, min_pixels=model.min_pixels, max_pixels=model.max_pixels,
+        cfg = EngineConfig(dtype=model.dtype, device=model.device, min_pixels=model.min_pixels,
+                           max_pixels=model.max_pixels,
                            max_num_batched_tokens=model.max_num_batched_tokens, max_model_len=model.max_model_len,
-                           memory_budget_gb=model.memory_budget_gb, option_labels=tuple(prompt.option_labels),
+                           memory_budget_gb=model.memory_budget_gb, temporal_step=model.temporal_step,
+                           option_labels=tuple(prompt.option_labels),
                            system_prompt=prompt.system, **extra)
         self._clf = Classifier.from_pretrained(model.checkpoint, cfg)
         self.model_id = self._clf.model_id

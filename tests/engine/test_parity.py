@@ -20,9 +20,12 @@ torch.set_grad_enabled(False)
 
 
 def _sampled_spg(metadata: dict, temporal_patch: int = 2) -> float:
-    idx = metadata["frames_indices"]
-    fps = (len(idx) - 1) * metadata["fps"] / (idx[-1] - idx[0])
-    return temporal_patch / fps
+    """transformers' own temporal step: temporal_patch / VideoMetadata.sampled_fps (n / total * fps)."""
+    from transformers.video_utils import VideoMetadata
+
+    meta = VideoMetadata(total_num_frames=metadata["total_num_frames"], fps=metadata["fps"],
+                         frames_indices=list(metadata["frames_indices"]))
+    return temporal_patch / meta.sampled_fps
 
 
 def reference_logprobs(hf_model, tokenizer, config, clip, request, vision_settings, model_type) -> np.ndarray:

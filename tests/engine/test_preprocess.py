@@ -60,14 +60,37 @@ def test_identical_frames_equal_image_processor_output(rng):
     assert out.grid_thw == tuple(int(v) for v in image["image_grid_thw"][0])
 
 
-def test_sampling_fps_from_uneven_indices():
-    assert sampling_fps({"fps": 30.0, "frames_indices": [0, 30, 90]}) == pytest.approx(2 / 3)  # 2 gaps in 3 s
-    assert sampling_fps({"fps": 25.0, "frames_indices": [7]}) == 25.0  # no span: source fps
-    assert sampling_fps({"fps": 25.0, "frames_indices": [4, 4, 4]}) == 25.0
-    assert sampling_fps({}) == 2.0  # Qwen's default sampling rate when nothing is known
-    out = preprocess_video(np.zeros((4, 28, 28, 3), np.uint8), {"fps": 30.0, "frames_indices": [0, 10, 20, 30]},
-                           VisionSettings(min_pixels=784, max_pixels=784 * 4))
+def test_sampling_fps_actual_rule_from_uneven_indices():
+    actual = lambda meta: sampling_fps(meta, rule="actual")  # noqa: E731
+    assert actual({"fps": 30.0, "frames_indices": [0, 30, 90], "total_num_frames": 300}) == pytest.approx(2 / 3)
+    assert actual({"fps": 25.0, "frames_indices": [7]}) == 25.0  # no span: source fps
+    assert actual({"fps": 25.0, "frames_indices": [4, 4, 4]}) == 25.0
+    assert actual({}) == 2.0  # Qwen's default sampling rate when nothing is known
+    out = preprocess_video(np.zeros((4, 28, 28, 3), np.uint8), {"fps": 30.0, "frames_indices": [0, 10, 20, 30],
+                                                               "total_num_frames": 1000},
+                           VisionSettings(min_pixels=784, max_pixels=784 * 4, temporal_step="actual"))
     assert out.second_per_grid_t == pytest.approx(2 / 3.0)
+
+
+def test_sampling_fps_nominal_rule_is_transformers_video_metadata():
+    """The default step is the one the model was trained with: transformers' VideoMetadata.sampled_fps."""
+    from transformers.video_utils import VideoMetadata
+
+    rng = np.random.default_rng(11)
+    for _ in range(50):
+        total = int(rng.integers(2, 20_000))
+        n = int(rng.integers(1, min(total, 64) + 1))
+        indices = sorted(rng.choice(total, n, replace=False).tolist())
+        fps = float(rng.choice([23.976, 24.0, 25.0, 29.97, 30.0, 60.0]))
+        meta = {"fps": fps, "frames_indices": indices, "total_num_frames": total}
+        want = VideoMetadata(total_num_frames=total, fps=fps, frames_indices=indices).sampled_fps
+        assert sampling_fps(meta) == pytest.approx(want, rel=1e-12)
+        out = preprocess_video(np.zeros((n, 28, 28, 3), np.uint8), meta, VisionSettings(784, 784 * 4))
+        assert out.second_per_grid_t == pytest.approx(2 / want, rel=1e-12)
+    # Without the clip's frame count the nominal rule has nothing to spread over: the actual spacing is used.
+    assert sampling_fps({"fps": 30.0, "frames_indices": [0, 30, 90]}) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="nominal, actual"):
+        sampling_fps({"fps": 30.0}, rule="uniform")
 
 
 def test_bad_frames_are_clear_errors():

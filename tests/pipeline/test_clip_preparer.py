@@ -35,6 +35,20 @@ def test_preparer_uses_the_checkpoints_settings_and_overrides(checkpoint):
     assert pickle.loads(pickle.dumps(shipped))._processor is None   # never pickles the processor
 
 
+def test_preparer_carries_the_temporal_step_rule(checkpoint):
+    """Decoders must plan the clip's temporal step with the job's rule, or their inputs would disagree with
+    the engine's (which rejects inputs made with other settings)."""
+    meta = {"fps": 30.0, "frames_indices": [0, 10, 40, 90], "total_num_frames": 300}
+    frames = np.zeros((4, 56, 56, 3), np.uint8)
+    steps = {}
+    for rule in ("nominal", "actual"):
+        prep = clip_preparer(ModelConfig(checkpoint=str(checkpoint), temporal_step=rule))
+        assert prep.settings == load_vision_settings(checkpoint, None, None, rule)
+        steps[rule] = prep(frames, meta).second_per_grid_t
+    assert steps["nominal"] == pytest.approx(2 / (4 / 300 * 30.0))
+    assert steps["actual"] == pytest.approx(2 / (3 * 30.0 / 90))
+
+
 def test_no_preparer_when_the_engine_must_find_the_checkpoint_itself(checkpoint, tmp_path, monkeypatch):
     assert clip_preparer(ModelConfig(checkpoint="Qwen/Qwen2.5-VL-7B-Instruct")) is None   # a hub id
     bare = tmp_path / "no-processor"

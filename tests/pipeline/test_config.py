@@ -101,7 +101,7 @@ def test_missing_inputs_are_named(tmp_path):
 # Settings that change answers must change the fingerprint; the others must not (resume across them).
 ANSWER_CHANGES = [
     ("model", "checkpoint", "./ckpt/other"), ("model", "max_pixels", 401408), ("model", "min_pixels", 3136),
-    ("model", "dtype", "bfloat16"), ("loader", "num_frames", 8), ("loader", "name", "pyav_adaptive"),
+    ("model", "dtype", "bfloat16"), ("model", "temporal_step", "actual"), ("loader", "num_frames", 8), ("loader", "name", "pyav_adaptive"),
     ("loader", "kwargs", {"seek": "time"}), ("prompt", "template", "Q: {question}\n{options}"),
     ("prompt", "option_labels", ["1", "2", "3", "4", "5"]), ("prompt", "system", "Be brief."),
 ]
