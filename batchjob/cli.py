@@ -41,6 +41,9 @@ def _summary_table(stats, summary: dict | None) -> Table:
         t.add_row("overlap efficiency", f"{stats.overlap_efficiency:.2f} (wall / busiest stage; 1.0 = ideal)")
     if stats.model:
         t.add_row("model", stats.model)
+    if stats.engine_runtime:
+        rt = stats.engine_runtime
+        t.add_row("engine", f"{rt.get('device')} {rt.get('dtype')}, attention {rt.get('attention_backend')}")
     if len(stats.decode_nodes) > 1:
         t.add_row("decode nodes", str(len(stats.decode_nodes)))
     if summary and summary.get("accuracy") is not None:

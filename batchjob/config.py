@@ -60,6 +60,7 @@ class ModelConfig(_Section):
                             "when no such directory exists; write ./org/name to insist on a path")
     engine: str = "mlx"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "gpu"] = Field("auto", description="auto = Metal or CUDA GPU when MLX sees one")
     min_pixels: int | None = Field(None, ge=1)
     max_pixels: int | None = Field(None, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=16)
@@ -155,7 +156,7 @@ class JobConfig(_Section):
         m = self.model
         answer_inputs = {
             "dataset_adapter": self.dataset.adapter,
-            "model": {"checkpoint": m.checkpoint, "engine": m.engine, "dtype": m.dtype,
+            "model": {"checkpoint": m.checkpoint, "engine": m.engine, "dtype": m.dtype, "device": m.device,
                       "min_pixels": m.min_pixels, "max_pixels": m.max_pixels,
                       "temporal_step": m.temporal_step, "timestamps": m.timestamps},
             "loader": self.loader.model_dump(),

@@ -14,12 +14,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from .device import activate, resolve_dtype, select_device
 from .families import ModelFamily, family_for, supported_model_types
 from .preprocess import VisionSettings
 from .types import EngineConfig, EngineError
 
 SUPPORTED_MODEL_TYPES = supported_model_types()
-_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 @dataclass
@@ -35,6 +35,7 @@ class LoadedCheckpoint:
     family: ModelFamily  # the model_type's module: prompts, positions, vision features
     dtype: mx.Dtype
     weights_bytes: int
+    device: str = "cpu"  # "cpu" | "metal" | "cuda"
 
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:
@@ -69,15 +70,6 @@ def _check_files(path: Path) -> None:
         raise EngineError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them in")
 
 
-def compute_dtype(config: EngineConfig, hf_config: dict) -> mx.Dtype:
-    """fp32 on CPU (MLX has fast BLAS only for fp32 there); the checkpoint's own dtype on a GPU."""
-    if config.dtype != "auto":
-        return _DTYPES[config.dtype]
-    if mx.default_device() == mx.cpu:
-        return mx.float32
-    return _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"), mx.float32)
-
-
 def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedCheckpoint:
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import load_model
@@ -88,12 +80,14 @@ def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedChe
     family = family_for(hf_config, path)
     _check_files(path)
     vision = family.vision_settings(config)
+    device = select_device(config.device)
+    activate(device)
     try:
         mlx_model = load_model(path)
     except Exception as exc:
         raise EngineError(f"{path}: mlx-vlm could not build the model ({type(exc).__name__}: {exc})") from exc
     family.fix_model(mlx_model)
-    dtype = compute_dtype(config, hf_config)
+    dtype = resolve_dtype(config.dtype, device)
     mlx_model.set_dtype(dtype)
     mx.eval(mlx_model.parameters())
     try:
@@ -112,4 +106,5 @@ def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedChe
         family=family,
         dtype=dtype,
         weights_bytes=sum(v.nbytes for _, v in tree_flatten(mlx_model.parameters())),
+        device=device,
     )

@@ -16,10 +16,12 @@ import mlx.core as mx
 import numpy as np
 
 from batchjob.metal_backend import (BlockPool, KVCache, KVCacheBudgetError, paged_attention, plan_num_blocks,
-                                    select_attention_backend)
+                                    select_attention_backend, select_cuda_backend)
+from batchjob.metal_backend.selection import gpu_portable_attention
 
 from .attention import install_paged_attention
 from .checkpoint import LoadedCheckpoint, load_checkpoint
+from .device import EngineRuntime, dtype_name
 from .preprocess import check_frames, check_prepared, image_processor, plan_video, preprocess_video
 from .prompt import PromptBuilder
 from .runner import forward
@@ -40,16 +42,25 @@ def _default_budget_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.75)
 
 
-def _select_attention(config: EngineConfig, dtype: mx.Dtype):
-    """(name, function): Metal kernels when they pass metal_backend's probe in our dtype, else portable."""
+def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tuple[str, str, object]:
+    """(name, reason, function): our kernels for the device when they pass the probe, else the portable path."""
     if config.attention_backend == "portable":
-        return "portable", paged_attention
-    backend = select_attention_backend(probe=True, dtype=dtype)
+        fn = paged_attention if checkpoint.device == "cpu" else gpu_portable_attention(checkpoint.dtype)
+        return "portable", "portable path requested (attention_backend='portable')", fn
+    dtype = checkpoint.dtype
+    if checkpoint.device == "cuda":
+        lm = checkpoint.model.language_model
+        shape = dict(num_q_heads=lm.args.num_attention_heads, num_kv_heads=lm.n_kv_heads, head_dim=lm.head_dim,
+                     block_size=config.block_size)
+        backend = select_cuda_backend(probe=True, dtype=dtype, model_shape=shape)
+    else:
+        backend = select_attention_backend(probe=True, dtype=dtype)
     log.info("attention backend %s: %s", backend.name, backend.reason)
-    if config.attention_backend == "metal" and backend.name != "metal":
-        raise EngineError(f"EngineConfig.attention_backend='metal' but the kernels are unusable: {backend.reason}; "
-                          "use attention_backend='auto' to fall back to the portable path")
-    return backend.name, backend
+    wanted = config.attention_backend
+    if wanted in ("metal", "cuda") and backend.name != wanted:
+        raise EngineError(f"EngineConfig.attention_backend={wanted!r} but the kernels are unusable here: "
+                          f"{backend.reason}; use attention_backend='auto' to fall back to the portable path")
+    return backend.name, backend.reason, backend
 
 
 class Classifier:
@@ -60,7 +71,9 @@ class Classifier:
         self.checkpoint = checkpoint
         self.model_id = checkpoint.model_id
         self.prompts = PromptBuilder(checkpoint.tokenizer, config, checkpoint.video_token_id, str(checkpoint.path))
-        self.attention_backend, self._attention = _select_attention(config, checkpoint.dtype)
+        self.attention_backend, reason, self._attention = _select_attention(config, checkpoint)
+        self.runtime = EngineRuntime(checkpoint.device, dtype_name(checkpoint.dtype), self.attention_backend, reason)
+        self._device = mx.cpu if checkpoint.device == "cpu" else mx.gpu  # pinned: several engines may share a process
         lm = checkpoint.model.language_model
         num_layers = install_paged_attention(lm)
         kv_heads, head_dim = checkpoint.family.kv_shape(lm)  # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
@@ -136,6 +149,10 @@ class Classifier:
     # --- the loop ------------------------------------------------------------------------------------------
     def classify(self, requests: Seq[ClassifyRequest]) -> list[ClassifyResult]:
         """Answer every request; results come back in request order, failed requests as error results."""
+        with mx.stream(self._device):
+            return self._classify(requests)
+
+    def _classify(self, requests: Seq[ClassifyRequest]) -> list[ClassifyResult]:
         call_id = next(self._call_ids)
         results: list[ClassifyResult | None] = [None] * len(requests)
         scheduler = Scheduler(self.pool, self.config.max_num_batched_tokens)
@@ -173,8 +190,9 @@ class Classifier:
         return results  # type: ignore[return-value]
 
 
-def _result(request_id: str, seq: Sequence, logits: np.ndarray) -> ClassifyResult:
-    option_logits = logits[seq.option_token_ids].astype(np.float64)
+def _result(request_id: str, seq: Sequence, option_row: np.ndarray) -> ClassifyResult:
+    """`option_row`: this request's option-token logits (fp32 from the device, padded past its options)."""
+    option_logits = option_row[:len(seq.option_token_ids)].astype(np.float64)
     shifted = option_logits - option_logits.max()
     logprobs = shifted - np.log(np.exp(shifted).sum())
     probs = np.exp(logprobs)

@@ -27,7 +27,8 @@ class ForwardOutput:
     """Option logits for the sequences whose last prompt token was computed in this pass."""
 
     finished_slices: list[int]  # indices into the batch
-    logits: np.ndarray  # float32 [len(finished_slices), vocab]
+    logits: np.ndarray  # float32 [len(finished_slices), most options]: option-token logits, row i padded past
+    # the options of finished_slices[i] (only these columns ever leave the device)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,13 @@ def forward(
     last = mx.array([int(meta.cu_seqlens_q_host[i + 1]) - 1 for i in finished])
     h_last = lm.model.norm(h[0, last])
     logits = lm.model.embed_tokens.as_linear(h_last) if lm.args.tie_word_embeddings else lm.lm_head(h_last)
-    logits = logits.astype(mx.float32)
-    mx.eval(logits, kv_cache.k, kv_cache.v)
-    return ForwardOutput(finished, np.array(logits))
+    options = option_columns([batch[i].seq.option_token_ids for i in finished])
+    option_logits = mx.take_along_axis(logits, mx.array(options), axis=1).astype(mx.float32)
+    mx.eval(option_logits, kv_cache.k, kv_cache.v)
+    return ForwardOutput(finished, np.array(option_logits))
+
+
+def option_columns(option_ids: list[list[int]]) -> np.ndarray:
+    """`[n, most options]` vocabulary ids to gather per row, short rows padded with their own first id."""
+    width = max(len(ids) for ids in option_ids)
+    return np.array([list(ids) + [ids[0]] * (width - len(ids)) for ids in option_ids], dtype=np.int32)

@@ -59,7 +59,8 @@ class ClassifyResult:
 
 @dataclass
 class EngineConfig:
-    dtype: str = "auto"  # "auto" = float32 on CPU (no fast half-precision BLAS there), checkpoint dtype on GPU
+    dtype: str = "auto"  # "auto" = float32 on CPU (no fast half-precision BLAS there), bfloat16 on a GPU
+    device: str = "auto"  # "auto" = the GPU (Metal or CUDA) when MLX sees one, else CPU; "gpu" fails without one
     min_pixels: int | None = None  # None = the checkpoint processor's value
     max_pixels: int | None = None
     max_num_batched_tokens: int = 8192
@@ -101,8 +102,9 @@ class EngineConfig:
              "dtype must be one of auto, float32, float16, bfloat16"),
             (self.temporal_step in ("nominal", "actual"), "temporal_step must be one of nominal, actual"),
             (self.timestamps in ("actual", "nominal"), "timestamps must be one of actual, nominal"),
-            (self.attention_backend in ("auto", "portable", "metal"),
-             "attention_backend must be one of auto, portable, metal"),
+            (self.device in ("auto", "cpu", "gpu"), "device must be one of auto, cpu, gpu"),
+            (self.attention_backend in ("auto", "portable", "metal", "cuda"),
+             "attention_backend must be one of auto, portable, metal, cuda"),
         ]
         for ok, message in checks:
             if not ok:

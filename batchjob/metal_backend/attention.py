@@ -34,25 +34,46 @@ def check_attention_inputs(q: mx.array, k_cache: mx.array, v_cache: mx.array, me
         raise ValueError(f"paged_attention: metadata built for block_size {meta.block_size}, cache has {bs}")
 
 
-def gather_heads_major(cache: mx.array, tables: np.ndarray, length: int, dtype: mx.Dtype) -> mx.array:
-    """KV of sequences as contiguous `[n, Hkv, length, D]` (what SDPA wants), read through block tables.
-
-    `tables` is `[n, >= ceil(length / block_size)]` on the host. An ascending run of blocks (a fresh pool
-    hands them out that way) is sliced and transposed; scattered blocks are gathered row by row straight into
-    the head-major layout, one copy instead of gather-then-transpose. Either way SDPA gets a contiguous array:
-    handed a transposed view, MLX's CPU path copied K/V once per query head under GQA (64 one-token
-    queries, 2,048 context, GQA 8: 5.8 s and 2.3 GiB versus 1.0 s and 0.4 GiB).
-    """
-    nb, bs, hkv, d = cache.shape
-    n, num_blocks = tables.shape[0], -(-length // bs)
+def gather_rows(tables: np.ndarray, length: int, block_size: int, num_kv_heads: int) -> mx.array | tuple[int, int]:
+    """How to read `length` KV positions of sequences through `tables` (host, `[n, >= ceil(length / bs)]`):
+    `(first block, number of blocks)` when one sequence's blocks are an ascending run (a fresh pool hands them
+    out that way), else the row indices `[n, Hkv, length]` into the cache viewed as `[slots * Hkv, D]`."""
+    n, num_blocks = tables.shape[0], -(-length // block_size)
     tables = tables[:, :num_blocks]
     if n == 1 and (num_blocks == 1 or bool(np.all(np.diff(tables[0]) == 1))):
-        first = int(tables[0, 0])
+        return int(tables[0, 0]), num_blocks
+    slots = (tables[:, :, None] * block_size + np.arange(block_size)[None, None, :]).reshape(n, 1, -1)[:, :, :length]
+    rows = slots * num_kv_heads + np.arange(num_kv_heads)[None, :, None]
+    return mx.array(rows.astype(np.int32))
+
+
+def gather_heads_major(cache: mx.array, tables: np.ndarray, length: int, dtype: mx.Dtype,
+                       rows: mx.array | tuple[int, int] | None = None) -> mx.array:
+    """KV of sequences as contiguous `[n, Hkv, length, D]` (what SDPA wants), read through block tables.
+
+    An ascending run of blocks is sliced and transposed; scattered blocks are gathered row by row straight into
+    the head-major layout, one copy instead of gather-then-transpose. Either way SDPA gets a contiguous array:
+    handed a transposed view, MLX's CPU path copied K/V once per query head under GQA (64 one-token
+    queries, 2,048 context, GQA 8: 5.8 s and 2.3 GiB versus 1.0 s and 0.4 GiB). `rows` is `gather_rows`' plan
+    when the caller has it (planned once per forward pass, shared by K, V and every layer).
+    """
+    nb, bs, hkv, d = cache.shape
+    plan = gather_rows(tables, length, bs, hkv) if rows is None else rows
+    if isinstance(plan, tuple):
+        first, num_blocks = plan
         kv = cache[first : first + num_blocks].reshape(1, num_blocks * bs, hkv, d)[:, :length]
         return mx.contiguous(kv.transpose(0, 2, 1, 3).astype(dtype))
-    slots = (mx.array(tables)[:, :, None] * bs + mx.arange(bs, dtype=mx.int32)).reshape(n, 1, -1)[:, :, :length]
-    rows = slots * hkv + mx.arange(hkv, dtype=mx.int32)[None, :, None]  # [n, Hkv, length]
-    return mx.take(cache.reshape(nb * bs * hkv, d), rows, axis=0).astype(dtype)
+    return mx.take(cache.reshape(nb * bs * hkv, d), plan, axis=0).astype(dtype)
+
+
+def _planned_rows(meta: AttentionMetadata, seqs: tuple[int, ...], length: int, num_kv_heads: int):
+    """`gather_rows` for these sequences, computed once per forward pass and reused by every layer."""
+    key = ("rows", seqs, length, num_kv_heads)
+    plan = meta.plan_cache.get(key)
+    if plan is None:
+        plan = meta.plan_cache[key] = gather_rows(meta.block_tables_host[list(seqs)], length, meta.block_size,
+                                                  num_kv_heads)
+    return plan
 
 
 def decode_groups(context_lens: Sequence[int], slack: float = 1.25) -> list[list[int]]:
@@ -84,8 +105,9 @@ def _attend_one(q, k_cache, v_cache, meta, s: int, scale: float, query_chunk: in
     """
     start, end, ctx = int(meta.cu_seqlens_q_host[s]), int(meta.cu_seqlens_q_host[s + 1]), int(meta.context_lens_host[s])
     table = meta.block_tables_host[s : s + 1]
-    k = gather_heads_major(k_cache, table, ctx, q.dtype)
-    v = gather_heads_major(v_cache, table, ctx, q.dtype)
+    rows = _planned_rows(meta, (s,), ctx, k_cache.shape[2])
+    k = gather_heads_major(k_cache, table, ctx, q.dtype, rows)
+    v = gather_heads_major(v_cache, table, ctx, q.dtype, rows)
     offset = ctx - (end - start)
     outs = []
     for a in range(start, end, query_chunk):
@@ -102,10 +124,15 @@ def _attend_decode_group(q, k_cache, v_cache, meta, seqs: list[int], scale: floa
     """One SDPA for several one-token sequences, keys padded to the group's longest context and masked."""
     ctx = meta.context_lens_host[seqs]
     length = int(ctx.max())
-    k = gather_heads_major(k_cache, meta.block_tables_host[seqs], length, q.dtype)
-    v = gather_heads_major(v_cache, meta.block_tables_host[seqs], length, q.dtype)
-    q_g = q[mx.array(meta.cu_seqlens_q_host[seqs])][:, :, None, :]  # [n, Hq, 1, D]
-    mask = mx.array(np.arange(length)[None, :] < ctx[:, None])[:, None, None, :]
+    rows = _planned_rows(meta, tuple(int(i) for i in seqs), length, k_cache.shape[2])
+    k = gather_heads_major(k_cache, meta.block_tables_host[seqs], length, q.dtype, rows)
+    v = gather_heads_major(v_cache, meta.block_tables_host[seqs], length, q.dtype, rows)
+    key = ("decode", tuple(int(i) for i in seqs))
+    if key not in meta.plan_cache:  # token indices and padding mask: once per forward, not per layer
+        meta.plan_cache[key] = (mx.array(meta.cu_seqlens_q_host[seqs]),
+                                mx.array(np.arange(length)[None, :] < ctx[:, None])[:, None, None, :])
+    tokens, mask = meta.plan_cache[key]
+    q_g = q[tokens][:, :, None, :]  # [n, Hq, 1, D]
     return mx.fast.scaled_dot_product_attention(q_g, k, v, scale=scale, mask=mask)[:, :, 0, :]
 
 

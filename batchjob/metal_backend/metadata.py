@@ -8,7 +8,7 @@ Building this once per forward keeps the per-layer attention free of host work a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import mlx.core as mx
@@ -40,6 +40,8 @@ class AttentionMetadata:
     max_context_len: int
     num_tokens: int
     block_size: int
+    # Per-forward memo of derived device arrays (gather indices): built by the first layer, reused by the rest.
+    plan_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

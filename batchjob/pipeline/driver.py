@@ -37,6 +37,7 @@ class RunStats:
     decoders: int = 0
     engines: int = 0
     model: str = ""
+    engine_runtime: dict[str, str] = field(default_factory=dict)  # device, dtype, attention backend
     decode_nodes: set[str] = field(default_factory=set)
 
     @property

@@ -143,6 +143,7 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         # Who answered goes into every part's metadata (next to the config and versions).
         engine_info = {"engine": described[0].engine, "model_id": described[0].model_id,
                        **dict(described[0].details)}
+        stats.engine_runtime = {k: str(v) for k, v in described[0].details.items()}
         writer = parts = PartWriter(write_dir, {**manifest, "fingerprint": fingerprint, "engine": engine_info},
                                     cfg.output.rows_per_part, cfg.output.flush_seconds)
         if _terminate.is_set():          # SIGTERM while the model loaded

@@ -20,7 +20,7 @@ def engine_config(model: ModelConfig, prompt: PromptConfig):
     extra: dict[str, Any] = {}
     if prompt.template is not None:
         extra["prompt_template"] = prompt.template
-    return EngineConfig(dtype=model.dtype, min_pixels=model.min_pixels, max_pixels=model.max_pixels,
+    return EngineConfig(dtype=model.dtype, device=model.device, min_pixels=model.min_pixels, max_pixels=model.max_pixels,
                         max_num_batched_tokens=model.max_num_batched_tokens, max_model_len=model.max_model_len,
                         memory_budget_gb=model.memory_budget_gb, temporal_step=model.temporal_step,
                         timestamps=model.timestamps, option_labels=tuple(prompt.option_labels), system_prompt=prompt.system, **extra)
@@ -94,7 +94,7 @@ class MlxEngine(EngineBase):
 
     def describe(self) -> EngineDescription:
         return EngineDescription("mlx", self.model_id, {
-            "attention_backend": self._clf.attention_backend, "dtype": str(self._clf.checkpoint.dtype),
+            **self._clf.runtime.as_dict(),   # device, dtype, attention backend and why it was chosen
             "temporal_step": self._model.temporal_step, "timestamps": self._model.timestamps})
 
     def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:

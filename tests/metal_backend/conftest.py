@@ -83,6 +83,7 @@ int main(int, char** argv) {
             const uint3 group = {gx, gy, gz};
             const uint3 global = {gx * tg.x + local.x, gy * tg.y + local.y, gz * tg.z + local.z};
             (void)local; (void)group; (void)global;
+            %(pre)s
             kernel_fn<%(targs)s>(%(call)s);
         };
         emu_run_threadgroup(fibers, n);
@@ -134,7 +135,10 @@ class MetalEmulator:
                                               out_n=int(np.prod(launch.output_shape)),
                                               grid=", ".join(map(str, launch.grid)),
                                               tg=", ".join(map(str, launch.threadgroup)), targs=targs,
-                                              call=", ".join(call)))
+                                              call=", ".join(call), pre=""))
+        return self._build_and_run(src, arrays, launch)
+
+    def _build_and_run(self, src: str, arrays, launch) -> np.ndarray:
         key = hashlib.sha256(src.encode()).hexdigest()[:16]
         binary = self.workdir / f"kernel_{key}"
         if not binary.exists():
@@ -156,4 +160,45 @@ def metal_emulator(tmp_path_factory):
     emulator = MetalEmulator(tmp_path_factory.mktemp("metal_emulator"))
     if emulator.compiler is None:
         pytest.skip("g++ not found: the CPU emulator for the Metal kernels needs a C++17 compiler")
+    return emulator
+
+
+# --- CPU emulator for the CUDA kernels ----------------------------------------------------------------------
+# The same idea for the CUDA twins (kernels/*.cu): the exact kernel text against cuda_shim.hpp (fibers with a
+# real __syncthreads and __shfl_xor_sync), with mx.fast.cuda_kernel's signature (`const T* name`, `T* out`) and
+# the launch the product computes.
+
+
+class CudaEmulator(MetalEmulator):
+    def __call__(self, launch) -> np.ndarray:
+        from batchjob.metal_backend.kernels import kernel_source
+
+        body = kernel_source(f"paged_attention_{launch.kind}.cu")
+        header = kernel_source("paged_attention_common.cuh")
+        arrays = [(name, np.array(a), str(a.dtype).split(".")[-1]) for name, a in launch.inputs]
+        params, loads, call = [], [], []
+        for name, arr, dt in arrays:
+            ctype = _CTYPES[dt][0]
+            params.append(f"const {ctype}* {name}")
+            loads.append(f"auto {name}_buf = load<{ctype}>(dir + \"/{name}.bin\");")
+            call.append(f"{name}_buf.data()")
+        out_t = _CTYPES[str(launch.output_dtype).split(".")[-1]][0]
+        params.append(f"{out_t}* out")
+        call.append("out.data()")
+        tparams = ", ".join(("typename " if k == "T" else "int ") + k for k, _ in launch.template)
+        targs = ", ".join(_CTYPES[str(v).split(".")[-1]][0] if k == "T" else str(v) for k, v in launch.template)
+        src = (f'#include "cuda_shim.hpp"\n{header}\ntemplate <{tparams}>\nvoid kernel_fn({", ".join(params)}) {{\n'
+               f"{body}\n}}\n" + _MAIN % dict(loads="\n    ".join(loads), out_t=out_t,
+                                              out_n=int(np.prod(launch.output_shape)),
+                                              grid=", ".join(map(str, launch.grid)),
+                                              tg=", ".join(map(str, launch.threadgroup)), targs=targs,
+                                              call=", ".join(call), pre="emu_block_idx = group; emu_block_dim = tg;"))
+        return self._build_and_run(src, arrays, launch)
+
+
+@pytest.fixture(scope="session")
+def cuda_emulator(tmp_path_factory):
+    emulator = CudaEmulator(tmp_path_factory.mktemp("cuda_emulator"))
+    if emulator.compiler is None:
+        pytest.skip("g++ not found: the CPU emulator for the CUDA kernels needs a C++17 compiler")
     return emulator

@@ -27,6 +27,12 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
         assert r["correct"] == (r["pred_index"] == r["answer"]) and len(r["frame_indices"]) == 8
         assert r["prompt_tokens"] > 0 and r["model"]
 
+    from batchjob.pipeline.output import read_file_metadata
+
+    engine = read_file_metadata(root / f"output{suffix}")["engine"]   # who answered, on what (issue 10)
+    assert engine["engine"] == "mlx" and engine["device"] == "cpu" and engine["dtype"] == "float32"
+    assert engine["attention_backend"] == "portable" and engine["attention_reason"]
+
     rep = h.run_cli("report", str(root / f"output{suffix}"), "--json")
     s = json.loads(rep.stdout)
     assert s["accuracy"] == pytest.approx(sum(r["correct"] for r in rows) / len(rows))

@@ -149,3 +149,4 @@ def test_one_run_per_output_directory(tmp_path):
         lock_output(tmp_path / "out")
     os.close(fd)                       # the run ends (or is killed): the lock goes with it
     os.close(lock_output(tmp_path / "out"))
+

@@ -10,6 +10,8 @@ import mlx.core as mx
 
 from ..mrope import mrope_positions, placeholder_runs, video_temporal_interval
 from ..preprocess import load_vision_settings
+from ..qwen2_vision import encode_qwen2
+from ..qwen25_vision import encode_qwen25, patch_window_index
 from ..types import EngineError
 from . import ModelFamily, VideoPrompt, video_rows
 
@@ -46,9 +48,11 @@ class Qwen2VLFamily(ModelFamily):
         span = placeholder_runs(ids, self.video_token_id)[0]
         return VideoPrompt(ids, positions, span, video_rows(ids, self.video_token_id))
 
+    def fix_model(self, model) -> None:
+        if self.hf_config["model_type"] == "qwen2_5_vl":   # mlx-vlm 0.7.10's empty windows (docs/upstream.md)
+            patch_window_index(model.vision_tower)
+
     def encode_video(self, model, pixel_values, grid_thw, dtype) -> mx.array:
-        features = model.vision_tower(mx.array(pixel_values).astype(dtype), mx.array([list(grid_thw)]),
-                                      output_hidden_states=False)
-        if isinstance(features, tuple):
-            features = features[0]
-        return features.astype(dtype)
+        """Our packed tower forward (the plan built once per call, no host sync per layer): equal to mlx-vlm's."""
+        encode = encode_qwen25 if self.hf_config["model_type"] == "qwen2_5_vl" else encode_qwen2
+        return encode(model.vision_tower, mx.array(pixel_values).astype(dtype), [tuple(grid_thw)]).astype(dtype)

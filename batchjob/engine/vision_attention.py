@@ -1,0 +1,90 @@
+"""Packed attention for the Qwen2-VL-family vision towers: a segment plan built once per tower call.
+
+mlx-vlm's vision attention (Qwen2-VL and Qwen2.5-VL alike) splits q/k/v on `cu_seqlens.tolist()` in every
+layer, a host sync per layer, and runs one SDPA per segment (a frame, or a window). Here the segments are
+grouped by length once per tower call: segments of equal length run as one batched SDPA call (all windows of
+a clip whose sides are multiples of the window; all frames of a clip), other lengths one call each, then one
+permutation restores token order. Empty segments are dropped (MLX CUDA's SDPA fails on an empty query).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+def drop_repeated_boundaries(cu_seqlens: np.ndarray) -> np.ndarray:
+    """Cumulative boundaries with repeats removed (no zero-length segments); the input must be non-decreasing."""
+    cu = np.asarray(cu_seqlens).astype(np.int64).reshape(-1)
+    if cu.size and np.any(np.diff(cu) < 0):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
+    if cu.size == 0:
+        return cu
+    keep = np.concatenate([[True], np.diff(cu) > 0])
+    return cu[keep]
+
+
+@dataclass(frozen=True)
+class SegmentGroup:
+    """`count` segments of `length` tokens each; `gather` picks their tokens (None: contiguous, in order)."""
+
+    length: int
+    count: int
+    gather: mx.array | None
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """How one attention pattern over a packed token axis runs as few SDPA calls as possible."""
+
+    groups: tuple[SegmentGroup, ...]
+    restore: mx.array | None  # permutation back to token order after concatenating the groups; None = identity
+
+
+def segment_plan(cu_seqlens: np.ndarray) -> SegmentPlan:
+    """Group the segments `[cu[i], cu[i+1])` by length; empty segments are skipped (nothing to attend)."""
+    cu = drop_repeated_boundaries(cu_seqlens)
+    lengths = np.diff(cu)
+    if lengths.size == 0:
+        return SegmentPlan((), None)
+    if np.all(lengths == lengths[0]):
+        return SegmentPlan((SegmentGroup(int(lengths[0]), int(lengths.size), None),), None)
+    groups, order = [], []
+    for length in np.unique(lengths):
+        starts = cu[:-1][lengths == length]
+        tokens = (starts[:, None] + np.arange(length)[None, :]).reshape(-1)
+        groups.append(SegmentGroup(int(length), int(starts.size), mx.array(tokens.astype(np.int32))))
+        order.append(tokens)
+    restore = np.argsort(np.concatenate(order), kind="stable").astype(np.int32)
+    return SegmentPlan(tuple(groups), mx.array(restore))
+
+
+def packed_attention(attn: nn.Module, x: mx.array, plan: SegmentPlan, rotary: mx.array) -> mx.array:
+    """mlx-vlm's vision `Attention` (same weights, same math) with the segments of `plan`, no host sync."""
+    apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb_vision
+    tokens = x.shape[0]
+    heads, head_dim = attn.num_heads, attn.head_dim
+    qkv = attn.qkv(x).reshape(tokens, 3, heads, head_dim)
+    q = apply_rope(qkv[:, 0][None], rotary)[0]
+    k = apply_rope(qkv[:, 1][None], rotary)[0]
+    v = qkv[:, 2]
+    outs = []
+    for g in plan.groups:
+        parts = [t if g.gather is None else t[g.gather] for t in (q, k, v)]
+        qg, kg, vg = (t.reshape(g.count, g.length, heads, head_dim).transpose(0, 2, 1, 3) for t in parts)
+        o = mx.fast.scaled_dot_product_attention(qg, kg, vg, scale=attn.scale, mask=None)
+        outs.append(o.transpose(0, 2, 1, 3).reshape(g.count * g.length, heads * head_dim))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    if plan.restore is not None:
+        out = out[plan.restore]
+    return attn.proj(out)
+
+
+def frame_boundaries(grid_thw: list[tuple[int, int, int]]) -> np.ndarray:
+    """Full-attention segments: one per temporal patch of each clip (`h * w` patches each)."""
+    sizes = [h * w for t, h, w in grid_thw for _ in range(t)]
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

@@ -1,0 +1,126 @@
+"""The hot path's shape on the CPU: attention plan built once per forward, vision plan once per tower call,
+KV written in place, the LM head only at finishing sequences' last positions, only option logits to the host.
+
+Each test spies on the real engine during a real `classify` and checks the property itself (call counts,
+shapes, memory); answers are checked against the unchanged reference paths elsewhere (test_parity,
+test_qwen25_vision).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from batchjob.engine import runner
+from batchjob.engine import qwen25_vision
+from batchjob.engine.runner import option_columns
+
+
+def test_option_columns_pad_short_rows_with_their_own_first_id():
+    assert option_columns([[5, 6], [7, 8, 9]]).tolist() == [[5, 6, 5], [7, 8, 9]]
+
+
+def test_plans_are_built_once(tiny_classifier, rng, make_clip, make_request, monkeypatch):
+    clf = tiny_classifier("qwen2_5_vl-mha")  # 3 decoder layers, 3 vision blocks
+    counts = {"meta": 0, "segments": 0, "forward": 0}
+    build, plan, forward = runner.build_attention_metadata, qwen25_vision.segment_plan, runner.forward
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(runner, "build_attention_metadata", counting("meta", build))
+    monkeypatch.setattr(qwen25_vision, "segment_plan", counting("segments", plan))
+    monkeypatch.setattr("batchjob.engine.classifier.forward", counting("forward", forward))
+
+    def no_split(*args, **kwargs):  # mlx-vlm's vision attention splits on cu_seqlens.tolist() in every layer
+        raise AssertionError("the vision tower split q/k/v per layer (host sync)")
+
+    monkeypatch.setattr(mx, "split", no_split)
+    clips = [make_clip(rng, f"plan-{i}", num_frames=4, size=(224, 224)) for i in range(2)]
+    results = clf.classify([make_request(rng, f"r{i}", clips[i % 2]) for i in range(4)])
+    assert all(r.error is None for r in results)
+    assert counts["meta"] == counts["forward"] >= 1  # one attention plan per forward, whatever the depth
+    assert counts["segments"] == 2 * clf.vision_calls  # windows + frames, once per tower call
+
+
+def test_lm_head_sees_only_last_positions_and_only_option_logits_leave(tiny_classifier, rng, make_clip,
+                                                                       make_request, monkeypatch):
+    clf = tiny_classifier()
+    lm = clf.checkpoint.model.language_model
+    head_rows, host_shapes = [], []
+    original_head = type(lm.lm_head).__call__
+
+    class SpyHead(type(lm.lm_head)):
+        def __call__(self, x):
+            head_rows.append(x.shape)
+            return original_head(self, x)
+
+    forward = runner.forward
+
+    def spy_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        host_shapes.append(out.logits.shape)
+        return out
+
+    monkeypatch.setattr(lm.lm_head, "__class__", SpyHead)
+    monkeypatch.setattr("batchjob.engine.classifier.forward", spy_forward)
+    clip = make_clip(rng, "head")
+    requests = [make_request(rng, f"h{i}", clip, num_options=n) for i, n in enumerate([2, 5, 3])]
+    results = clf.classify(requests)
+    assert all(r.error is None for r in results)
+    assert sum(shape[0] for shape in head_rows) == len(requests)  # one row per request, never per token
+    vocab = clf.checkpoint.hf_config["vocab_size"]
+    assert all(shape[1] <= 5 < vocab for shape in host_shapes if shape[0])
+    assert [len(r.probs) for r in results] == [2, 5, 3]
+
+
+def test_kv_cache_is_written_in_place(tiny_classifier, rng, make_clip, make_request, monkeypatch):
+    """A forward pass must not copy a layer's cache: peak memory during classify stays below one layer's K.
+    The same measurement with the old cache arrays kept alive (which forces MLX to copy) must see the copies."""
+    import batchjob.engine.attention as attention
+
+    clf = tiny_classifier("qwen2_5_vl-gqa", max_model_len=32768)  # a pool of 131,072 token slots
+    layer_bytes = clf.kv_cache.k[0].nbytes
+
+    def extra_peak(tag):
+        mx.eval(clf.kv_cache.k, clf.kv_cache.v)
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        clf.classify([make_request(rng, tag, make_clip(rng, tag, num_frames=2, size=(112, 112)))])
+        return mx.get_peak_memory() - before
+
+    extra_peak("warm")
+    assert extra_peak("in-place") < layer_bytes // 2
+    held, call = [], attention.PagedAttention.__call__
+
+    def holding(self, *args, **kwargs):
+        if attention._CONTEXT is not None:
+            held.append(attention._CONTEXT.kv_cache.k[self.layer_index])
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(attention.PagedAttention, "__call__", holding)
+    assert extra_peak("copied") >= layer_bytes
+
+
+def test_gather_indices_are_planned_once_per_forward(rng, monkeypatch):
+    """Scattered blocks (a follower reading a shared prefix): the gather rows are built by the first call and
+    reused by K, V and every later layer; the answer equals a fresh (unplanned) computation."""
+    from batchjob.metal_backend import attention, paged_attention
+    from batchjob.metal_backend.probe import make_ragged_batch
+
+    batch = make_ragged_batch(rng, [5, 1, 1, 9], [40, 17, 33, 0], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                              block_size=16)
+    calls = []
+    real = attention.gather_rows
+    monkeypatch.setattr(attention, "gather_rows", lambda *a: calls.append(a) or real(*a))
+    first = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)
+    planned = len(calls)
+    for _ in range(3):  # three more "layers" over the same metadata
+        again = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)
+    assert planned >= 1 and len(calls) == planned
+    assert mx.array_equal(first, again).item()
+    batch.meta.plan_cache.clear()
+    assert mx.array_equal(paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2), first).item()
