@@ -46,8 +46,12 @@ fi
 STAMP="$VENV/.batchjob-stamp"
 WANT="$(hash_of "$ROOT/pyproject.toml") $ROOT"
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
-    # pytest-asyncio: vLLM's own connector tests (scripts/vllm_tests.sh) are async.
-    pip_install -e "$ROOT[test,opencv]" "pytest-asyncio>=1,<2" "torch==2.13.0"
+    # pytest-asyncio: vLLM's own connector tests (scripts/vllm_tests.sh) are async. The MLX engine and Ray
+    # too: `engine: vllm` is compared with the MLX engine and run through `batchjob run` in this environment.
+    EXTRAS="test,opencv,mlx,ray"
+    [[ "$(uname -s)" == Linux ]] && EXTRAS="$EXTRAS,mlx-cpu"
+    pip_install -e "$ROOT[$EXTRAS]" "pytest-asyncio>=1,<2" "torch==2.13.0"
+    pip_install --no-deps "mlx-vlm>=0.7.10,<0.8"
     echo "$WANT" > "$STAMP"
 fi
 echo "$VENV"
