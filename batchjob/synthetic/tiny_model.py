@@ -295,7 +295,8 @@ def write_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec = TinyModelSp
     model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)
     if qwen3:  # hub names already match transformers 5; fused experts are stored transposed on the hub
         state = {k: (v.transpose(1, 2) if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v)
-                 .detach().contiguous() for k, v in model.state_dict().items()}
+                 .detach().contiguous() for k, v in model.state_dict().items()
+                 if not (spec.tie_word_embeddings and k == "lm_head.weight")}  # tied: hub files omit it
     else:
         state = {_hub_weight_name(k): v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -24,10 +24,11 @@ SPECS = {
                                   num_kv_heads=3, intermediate_size=160, vision_depth=3, vision_hidden=48,
                                   vision_heads=3, seed=4),
     # Qwen3-VL: head_dim 32 with hidden 64 / 4 heads (head_dim != hidden / heads, as in the 4B and 30B-A3B,
-    # where mlx-vlm's `head_dim` property is wrong), DeepStack after the first two vision layers; the MoE
-    # model is MHA with 3 layers, 4 experts (top 2) and DeepStack from layers 1 and 2.
+    # where mlx-vlm's `head_dim` property is wrong), tied embeddings (as 2B/4B), DeepStack after the first two
+    # vision layers; the MoE model is MHA with 3 layers, 4 experts (top 2), DeepStack from layers 1 and 2.
     "qwen3_vl": TinyModelSpec(model_type="qwen3_vl", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                              head_dim=32, intermediate_size=128, deepstack_visual_indexes=(0, 1), seed=11),
+                              head_dim=32, intermediate_size=128, deepstack_visual_indexes=(0, 1),
+                              tie_word_embeddings=True, seed=11),
     "qwen3_vl_moe": TinyModelSpec(model_type="qwen3_vl_moe", hidden_size=96, num_layers=3, num_heads=3,
                                   num_kv_heads=3, intermediate_size=160, vision_depth=3, vision_hidden=48,
                                   vision_heads=3, deepstack_visual_indexes=(1, 2), moe_intermediate_size=40,
