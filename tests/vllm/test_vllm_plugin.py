@@ -50,7 +50,7 @@ VLLM_SIDE = textwrap.dedent('''
                 frames, meta = io.load_bytes(data)
             else:
                 frames, meta = VIDEO_LOADER_REGISTRY.load(loader).load_bytes(
-                    data, num_frames=num_frames, fps=fps, max_duration=300, **extra)
+                    data, num_frames=num_frames, fps=fps, **{"max_duration": 300, **extra})
             arrays[str(i)] = np.asarray(frames)
             metas[str(i)] = meta
         except Exception as err:
@@ -80,12 +80,15 @@ def vllm_results(clips, tmp_path_factory):
     """One vLLM process for every call: (loader, clip, num_frames, fps) -> frames, metadata."""
     calls = [(loader, clips(clip)[0], n, fps) for loader in [*OUR_LOADERS, "opencv"] for clip in CLIPS
              for n, fps in CALLS]
+    # max_duration shorter than the clips: vLLM's uniform loader ignores it, and so must ours
+    calls += [(loader, clips(clip)[0], 32, 2.5, {"max_duration": 1}) for loader in [*OUR_LOADERS, "opencv"]
+              for clip in CLIPS]
     calls += [("media_io", clips(clip)[0], 6, 2) for clip in CLIPS]
     frames, metas, errors, registered = run_vllm_side(tmp_path_factory.mktemp("vllm"), calls)
     assert not errors, errors
     results = {}
-    for i, (loader, path, n, fps) in enumerate(calls):
-        results[(loader, path, n, fps)] = (frames[str(i)], metas[str(i)])
+    for i, (loader, path, n, fps, *extra) in enumerate(calls):
+        results[(loader, path, n, fps, "short" if extra else "")] = (frames[str(i)], metas[str(i)])
     return results, registered
 
 
@@ -108,7 +111,7 @@ def test_registry_frames_and_metadata_equal_load_video(vllm_results, clips, load
     results, _ = vllm_results
     path, _ = clips(clip)
     for n, fps in CALLS:
-        frames, meta = results[(loader, path, n, fps)]
+        frames, meta = results[(loader, path, n, fps, "")]
         expected, expected_meta = load_video(path, backend=OUR_LOADERS[loader], num_frames=n, fps=fps)
         np.testing.assert_array_equal(frames, expected)
         assert meta == json.loads(json.dumps(vllm_metadata(expected_meta)))
@@ -122,12 +125,15 @@ def test_fps_gives_the_frame_counts_of_vllms_own_loader(vllm_results, clips, loa
     for n, fps in CALLS:
         if loader == "pyav_keyframes" and n == -1:
             continue  # -1 is every keyframe there, by design (README, "Using the loader from vLLM")
-        ours, ours_meta = results[(loader, path, n, fps)]
-        theirs, theirs_meta = results[("opencv", path, n, fps)]
+        ours, ours_meta = results[(loader, path, n, fps, "")]
+        theirs, theirs_meta = results[("opencv", path, n, fps, "")]
         assert len(ours) == len(theirs), (n, fps)
         assert ours_meta["total_num_frames"] == theirs_meta["total_num_frames"]
         if loader == "batchjob_opencv":  # the lossless uniform loader: the very same frames
             assert ours_meta["frames_indices"] == theirs_meta["frames_indices"]
+    ours, _ = results[(loader, path, 32, 2.5, "short")]
+    theirs, _ = results[("opencv", path, 32, 2.5, "short")]
+    assert len(ours) == len(theirs) == len(results[("opencv", path, 32, 2.5, "")][0])  # max_duration=1 ignored
 
 
 @pytest.mark.parametrize("clip", CLIPS)
@@ -137,7 +143,7 @@ def test_media_io_kwargs_path(vllm_results, clips, clip):
 
     results, _ = vllm_results
     path, _ = clips(clip)
-    frames, meta = results[("media_io", path, 6, 2)]
+    frames, meta = results[("media_io", path, 6, 2, "")]
     expected, expected_meta = load_video(path, backend="pyav_keyframes", num_frames=6, fps=2)
     np.testing.assert_array_equal(frames, expected)
     assert meta["video_backend"] == "pyav_keyframes" and meta["frames_indices"] == expected_meta["frames_indices"]
