@@ -109,11 +109,11 @@ class VllmEngine(EngineBase):
         self.llm = llm
         self.model_id = model.checkpoint
         self._model = model
-        config_path = Path(model.checkpoint) / "config.json"
+        tokenizer = llm.get_tokenizer()
+        config_path = Path(model.checkpoint) / "config.json"   # a hub id has none here: ask the tokenizer
         hf_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        video_token_id = int(hf_config.get("video_token_id", 151656))
-        self.prompts = PromptBuilder(llm.get_tokenizer(), engine_config(model, prompt), video_token_id,
-                                     model.checkpoint)
+        video_token_id = int(hf_config.get("video_token_id") or tokenizer.convert_tokens_to_ids("<|video_pad|>"))
+        self.prompts = PromptBuilder(tokenizer, engine_config(model, prompt), video_token_id, model.checkpoint)
 
     def describe(self) -> EngineDescription:
         from importlib.metadata import PackageNotFoundError, version
