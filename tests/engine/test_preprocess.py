@@ -12,13 +12,13 @@ from batchjob.engine.preprocess import VisionSettings, load_vision_settings, pre
 
 
 def _torch_resize(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """What torchvision's resize does to a uint8 video (transformers' video processor): antialiased bicubic
-    in float32, clamped and rounded (torchvision itself cannot be imported beside the CPU torch here)."""
+    """What torchvision's resize does to a uint8 video (transformers' video processor): PyTorch's uint8
+    antialiased bicubic (torchvision itself cannot be imported beside the CPU torch here)."""
     import torch
 
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float()
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()
     x = torch.nn.functional.interpolate(x, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
-    return x.clamp(0, 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    return x.permute(0, 2, 3, 1).numpy()
 
 
 def _reference_video_patches(frames: np.ndarray, settings: VisionSettings) -> tuple[np.ndarray, tuple]:
@@ -58,22 +58,20 @@ def test_matches_reference_layout(num_frames, rng):
     expected, grid = _reference_video_patches(frames, settings)
     assert out.grid_thw == grid
     assert out.num_tokens == grid[0] * grid[1] * grid[2] // 4
-    # A float32 summation-order difference can move a resized pixel by one level (about 1e-4 of them).
-    off = np.abs(out.pixel_values - expected) > 1e-6
-    assert off.mean() < 1e-3 and np.abs(out.pixel_values - expected).max() < 0.02
+    np.testing.assert_allclose(out.pixel_values, expected, rtol=0, atol=1e-6)
 
 
 def test_resize_is_the_video_processors(rng):
-    """Our numpy resize against PyTorch's antialiased bicubic (torchvision's path), down and up."""
+    """Our numpy resize is bit-identical to PyTorch's uint8 antialiased bicubic (torchvision's path), down,
+    up, and one axis only."""
     from batchjob.engine.resize import resize_frames
 
-    worst, off, total = 0, 0, 0
-    for _ in range(10):
-        frames = rng.integers(0, 256, (2, int(rng.integers(20, 220)), int(rng.integers(20, 220)), 3), dtype=np.uint8)
+    for _ in range(12):
+        h, w = int(rng.integers(20, 220)), int(rng.integers(20, 220))
+        frames = rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8)
         height, width = int(rng.integers(14, 200)), int(rng.integers(14, 200))
-        diff = np.abs(resize_frames(frames, height, width).astype(int) - _torch_resize(frames, height, width))
-        worst, off, total = max(worst, int(diff.max())), off + int((diff > 0).sum()), total + diff.size
-    assert worst <= 1 and off / total < 1e-3, (worst, off / total)
+        height = h if rng.random() < 0.25 else height
+        np.testing.assert_array_equal(resize_frames(frames, height, width), _torch_resize(frames, height, width))
 
 
 def test_identical_frames_equal_image_processor_output(rng):

@@ -1,7 +1,8 @@
 """`engine: vllm` against the MLX engine and transformers, on the same tiny random Qwen2.5-VL and frames.
 
-Runs in the vLLM test environment (scripts/vllm_env.sh; it needs the mlx, mlx-cpu and ray extras and mlx-vlm
-there too) and skips elsewhere. The checkpoint has head_dim 32: vLLM's CPU attention rejects 16. The
+Runs in the vLLM test environment (scripts/vllm_env.sh) and skips elsewhere; the MLX engine runs in that
+environment when it has MLX, else in the project's main one (.venv, or $BATCHJOB_VENV), and `batchjob run`
+with vLLM needs the ray extra in the vLLM environment. The checkpoint has head_dim 32: vLLM's CPU attention rejects 16. The
 transformers reference uses transformers' own *video* processor (torchvision, which this environment has),
 so it is what a transformers or vLLM user gets.
 """
@@ -18,7 +19,6 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="needs a real vLLM: run in the environment scripts/vllm_env.sh builds")
-pytest.importorskip("mlx.core", reason="compares with the MLX engine: install the mlx extra in the vLLM environment")
 pytest.importorskip("torchvision", reason="the transformers reference uses its video processor (torchvision)")
 
 from batchjob.contract import ClipJob, ClipMetadata, EngineClip, Question  # noqa: E402
@@ -32,6 +32,26 @@ ROOT = HERE.parents[1]
 SPEC = TinyModelSpec(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256, vision_hidden=64,
                      vision_heads=2, seed=11)
 TOL = 1e-3
+
+
+def mlx_python() -> str | None:
+    """A Python with the MLX engine: $BATCHJOB_MLX_PYTHON, this one if it has MLX, else the project's main environment (CI builds
+    it first: scripts/test.sh), so the vLLM environment need not carry MLX."""
+    import importlib.util
+
+    if os.environ.get("BATCHJOB_MLX_PYTHON"):
+        return os.environ["BATCHJOB_MLX_PYTHON"]
+    if importlib.util.find_spec("mlx") is not None and importlib.util.find_spec("mlx_vlm") is not None:
+        return sys.executable
+    venv = Path(os.environ.get("BATCHJOB_VENV") or ROOT / ".venv")
+    return str(venv / "bin" / "python") if (venv / "bin" / "python").exists() else None
+
+
+def need_mlx() -> str:
+    python = mlx_python()
+    if python is None:
+        pytest.skip("compares with the MLX engine: needs MLX here or the project's main environment (.venv)")
+    return python
 # Frame sizes on the checkpoint's pixel bounds (28*28*4 .. 28*28*16): as they are, or resized by the processor.
 # The last one is long enough (16 frames at the pixel cap) to fill a whole KV block on vLLM's CPU backend
 # (block size 128), so its second question must find the video prefix in the prefix cache.
@@ -62,8 +82,9 @@ def make_clips(rng: np.random.Generator, sizes, tag: str) -> list[EngineClip]:
 
 
 def answers(kind: str, checkpoint: Path, directory: Path) -> dict:
-    res = subprocess.run([sys.executable, str(HERE / "engine_probe.py"), kind, str(checkpoint), str(directory)],
-                         capture_output=True, text=True, timeout=600)
+    python = need_mlx() if kind == "mlx" else sys.executable
+    res = subprocess.run([python, str(HERE / "engine_probe.py"), kind, str(checkpoint), str(directory)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads((directory / f"{kind}.json").read_text())
 
@@ -114,19 +135,22 @@ def _write_job(path: Path, data: Path, checkpoint: Path, out: Path, engine: str)
     return path
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
     # One vLLM process per engine actor (a tiny model starts in seconds), a small CPU KV cache.
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **os.environ,
            "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    return subprocess.run([sys.executable, "-m", "batchjob.cli", *args], capture_output=True, text=True,
+    return subprocess.run([python, "-m", "batchjob.cli", *args], capture_output=True, text=True,
                           timeout=600, env=env, cwd=ROOT)
 
 
 @pytest.mark.ray
 @pytest.mark.slow
 def test_batchjob_run_with_vllm_writes_the_mlx_engines_rows(tmp_path, checkpoint):
+    pytest.importorskip("ray", reason="batchjob run needs the ray extra in the vLLM environment")
     from batchjob.demo import build_synthetic_dataset
     from batchjob.pipeline.output import read_output
+
+    pythons = {"mlx": need_mlx(), "vllm": sys.executable}
 
     data = tmp_path / "data"
     manifest, clips = build_synthetic_dataset(data, num_clips=5, seconds=(0.8, 2.5),
@@ -142,9 +166,9 @@ def test_batchjob_run_with_vllm_writes_the_mlx_engines_rows(tmp_path, checkpoint
         out = tmp_path / f"out-{engine}"
         job = _write_job(tmp_path / f"{engine}.yaml", data, checkpoint, out, engine)
         if engine == "vllm":   # resume: a partial run first, then the rest
-            res = _run("run", str(job), "--limit", "4")
+            res = _run("run", str(job), "--limit", "4", python=pythons[engine])
             assert res.returncode in (0, 1), res.stderr[-3000:]
-        res = _run("run", str(job))
+        res = _run("run", str(job), python=pythons[engine])
         assert res.returncode in (0, 1), res.stderr[-3000:]   # 1: error rows above the job's threshold
         tables[engine] = {r["row_id"]: r for r in read_output(out).to_pylist()}
     mlx, vllm = tables["mlx"], tables["vllm"]
