@@ -30,6 +30,15 @@ class ForwardOutput:
     logits: np.ndarray  # float32 [len(finished_slices), vocab]
 
 
+def encode_video(model: nn.Module, pixel_values: np.ndarray, grid_thw: tuple[int, int, int], dtype) -> mx.array:
+    """Vision tower output `[num_video_tokens, hidden]` for one clip (merged patches, LM width)."""
+    tower = model.vision_tower
+    features = tower(mx.array(pixel_values).astype(dtype), mx.array([list(grid_thw)]), output_hidden_states=False)
+    if isinstance(features, tuple):
+        features = features[0]
+    return features.astype(dtype)
+
+
 @dataclass(frozen=True)
 class VideoInjection:
     """Where the clips' features go in this pass: flat token indices and the matching feature rows."""

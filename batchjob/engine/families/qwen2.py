@@ -47,8 +47,6 @@ class Qwen2VLFamily(ModelFamily):
         return VideoPrompt(ids, positions, span, video_rows(ids, self.video_token_id))
 
     def encode_video(self, model, pixel_values, grid_thw, dtype) -> mx.array:
-        features = model.vision_tower(mx.array(pixel_values).astype(dtype), mx.array([list(grid_thw)]),
-                                      output_hidden_states=False)
-        if isinstance(features, tuple):
-            features = features[0]
-        return features.astype(dtype)
+        from ..runner import encode_video  # the engine's tower forward for this family (no DeepStack)
+
+        return encode_video(model, pixel_values, grid_thw, dtype)
