@@ -50,7 +50,8 @@ def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tup
     dtype = checkpoint.dtype
     if checkpoint.device == "cuda":
         lm = checkpoint.model.language_model
-        shape = dict(num_q_heads=lm.args.num_attention_heads, num_kv_heads=lm.n_kv_heads, head_dim=lm.head_dim,
+        kv_heads, head_dim = checkpoint.family.kv_shape(lm)   # not lm.head_dim: wrong for some Qwen3-VL
+        shape = dict(num_q_heads=lm.args.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
                      block_size=config.block_size)
         backend = select_cuda_backend(probe=True, dtype=dtype, model_shape=shape)
     else:

@@ -227,6 +227,7 @@ def test_prepared_inputs_answer_like_frames(tiny_classifier, checkpoint_dir, rng
     from pathlib import Path
 
     from batchjob.config import ModelConfig
+    from batchjob.contract import ClipMetadata
     from batchjob.pipeline.mlx_engine import MlxEngine
 
     clf = tiny_classifier("qwen3_vl_moe")
@@ -236,7 +237,7 @@ def test_prepared_inputs_answer_like_frames(tiny_classifier, checkpoint_dir, rng
     clip = _uniform_clip(rng, f"prep-{uuid.uuid4().hex}", 5, (70, 90))
     request = make_request(rng, "p", clip)
     from_frames = clf.classify([request])[0]
-    prepared = Clip(None, clip.metadata, f"prep-{uuid.uuid4().hex}", inputs=preparer(clip.frames, clip.metadata))
+    prepared = Clip(None, clip.metadata, f"prep-{uuid.uuid4().hex}", inputs=preparer(clip.frames, ClipMetadata.from_loader(clip.metadata)))
     from_inputs = clf.classify([_with_clip(request, prepared)])[0]
     assert from_inputs.error is None and from_inputs.prompt_tokens == from_frames.prompt_tokens
     np.testing.assert_allclose(from_inputs.probs, from_frames.probs, rtol=0, atol=1e-6)
