@@ -8,7 +8,6 @@ discovery ignore and the next append removes). Files are never rewritten.
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
@@ -17,6 +16,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from batchjob.pipeline.output import atomic_write
 
 RECORDS = "runs"           # the dataset folder inside the history folder
 RECORD_GLOB = "run-*.parquet"
@@ -76,14 +77,6 @@ def records_dir(history: str | Path) -> Path:
     return Path(history) / RECORDS
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _to_row(r: RunRecord) -> dict[str, Any]:
     row = asdict(r)
     row["per_category"] = json.dumps(r.per_category, sort_keys=True)
@@ -98,14 +91,9 @@ def append_record(history: str | Path, record: RunRecord) -> Path:
         stale.unlink(missing_ok=True)
     stamp = record.started_at.strftime("%Y%m%dT%H%M%S%fZ")
     final = folder / f"run-{stamp}-{record.job}-{uuid.uuid4().hex[:8]}.parquet"
-    tmp = folder / f".{final.name}.tmp"
     table = pa.Table.from_pylist([_to_row(record)], schema=SCHEMA)
-    with open(tmp, "wb") as fh:
-        pq.write_table(table, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(folder)
+    # Dot-prefixed temporary name: Parquet dataset readers skip it, so the folder reads as it is at any instant.
+    atomic_write(final, lambda fh: pq.write_table(table, fh), tmp=folder / f".{final.name}.tmp")
     return final
 
 

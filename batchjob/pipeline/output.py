@@ -77,9 +77,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write through a temporary name, fsync, rename, fsync the directory: a crash never leaves a torn file."""
-    tmp = path.with_name(path.name + ".tmp")
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], tmp: Path | None = None) -> None:
+    """Write through a temporary name (default `<name>.tmp` beside it), fsync, rename, fsync the directory:
+    a crash never leaves a torn file."""
+    tmp = tmp or path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         write(fh)
         fh.flush()

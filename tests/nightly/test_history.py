@@ -75,7 +75,7 @@ APPENDER = textwrap.dedent("""
     if mode == "before-rename":          # die with the whole temp file written, before it is published
         def replace(src, dst):
             os.kill(os.getpid(), signal.SIGKILL)
-        history.os.replace = replace
+        os.replace = replace              # the os module atomic_write renames with
     i = 0
     while True:
         r = make_record(rng, "job", "2026-01-01", nightly_run_id=f"{{tag}}-{{i}}",

@@ -93,7 +93,12 @@ def metal_paged_attention(
 ) -> mx.array:
     """Paged attention on the Metal GPU: per-token kernel for short queries, tiled kernel for prefill."""
     launch = kernel_launch(q, k_cache, v_cache, meta, scale, kind)
-    (out,) = _kernel(launch.kind)(
+    return run_launch(_kernel(launch.kind), launch)
+
+
+def run_launch(kernel, launch: KernelLaunch) -> mx.array:
+    """Call a compiled kernel (Metal or CUDA: the same signature in MLX) with a planned launch."""
+    (out,) = kernel(
         inputs=[a for _, a in launch.inputs],
         template=launch.template,
         grid=launch.grid,

@@ -13,7 +13,7 @@ from functools import cache
 import mlx.core as mx
 
 from ..metadata import AttentionMetadata
-from . import INPUT_NAMES, KernelLaunch, kernel_launch, kernel_source
+from . import INPUT_NAMES, KernelLaunch, kernel_launch, kernel_source, run_launch
 
 CUDA_MAX_GRID_YZ = 65535  # CUDA caps gridDim.y and gridDim.z; the launch puts heads on y and blocks on z
 
@@ -44,12 +44,4 @@ def cuda_paged_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, meta
                          kind: str = "auto") -> mx.array:
     """Paged attention on an NVIDIA GPU: per-token kernel for short queries, tiled kernel otherwise."""
     launch = cuda_launch(q, k_cache, v_cache, meta, scale, kind)
-    (out,) = _kernel(launch.kind)(
-        inputs=[a for _, a in launch.inputs],
-        template=launch.template,
-        grid=launch.grid,
-        threadgroup=launch.threadgroup,
-        output_shapes=[launch.output_shape],
-        output_dtypes=[launch.output_dtype],
-    )
-    return out
+    return run_launch(_kernel(launch.kind), launch)
