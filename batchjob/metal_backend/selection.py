@@ -81,6 +81,22 @@ def probe_kernel(kernel: AttentionFn, dtype: mx.Dtype = mx.float16) -> str | Non
     return None
 
 
+def _built_and_probed(label: str, load_kernel: Callable[[], AttentionFn], dtype: mx.Dtype,
+                      probe: bool) -> tuple[AttentionFn | None, str | None]:
+    """(kernel, why it must not be used): the same build-then-probe gate for the Metal and CUDA kernels."""
+    try:
+        kernel = load_kernel()
+    except Exception as exc:
+        return None, f"{label} kernels failed to build: {type(exc).__name__}: {exc}"
+    return kernel, probe_kernel(kernel, dtype) if probe else None
+
+
+def _portable_because(problem: str, portable: AttentionFn) -> AttentionBackend:
+    reason = f"{problem}; using the portable MLX path"
+    log.warning(reason)
+    return AttentionBackend("portable", reason, portable)
+
+
 def select_attention_backend(
     probe: bool = True,
     *,
@@ -96,19 +112,11 @@ def select_attention_backend(
     portable = paged_attention
     if not metal_available():
         return AttentionBackend("portable", "no Metal device: using the portable MLX path", portable)
-    try:
-        kernel = load_kernel()
-    except Exception as exc:
-        reason = f"Metal kernels failed to build: {type(exc).__name__}: {exc}; using the portable MLX path"
-        log.warning(reason)
-        return AttentionBackend("portable", reason, portable)
+    kernel, problem = _built_and_probed("Metal", load_kernel, dtype, probe)
+    if problem is not None:
+        return _portable_because(problem, portable)
     if not probe:
         return AttentionBackend("metal", "Metal device; kernel probe skipped by request", kernel)
-    problem = probe_kernel(kernel, dtype)
-    if problem is not None:
-        reason = f"{problem}; using the portable MLX path"
-        log.warning(reason)
-        return AttentionBackend("portable", reason, portable)
     log.info("Metal attention kernels match the portable path on the probe batches; using them")
     return AttentionBackend("metal", f"Metal kernels matched the portable path on the probe ({dtype})", kernel)
 
@@ -196,18 +204,9 @@ def select_cuda_backend(
     kernels are used wherever they pass the probe. `load_kernel` and `timer` are injectable for CPU tests.
     """
     portable = gpu_portable_attention(dtype)
-    try:
-        kernel = load_kernel()
-    except Exception as exc:
-        reason = f"CUDA kernels failed to build: {type(exc).__name__}: {exc}; using the portable MLX path"
-        log.warning(reason)
-        return AttentionBackend("portable", reason, portable)
-    if probe:
-        problem = probe_kernel(kernel, dtype)
-        if problem is not None:
-            reason = f"{problem}; using the portable MLX path"
-            log.warning(reason)
-            return AttentionBackend("portable", reason, portable)
+    kernel, problem = _built_and_probed("CUDA", load_kernel, dtype, probe)
+    if problem is not None:
+        return _portable_because(problem, portable)
     if model_shape is None:
         return AttentionBackend("cuda", f"CUDA kernels matched the portable path on the probe ({dtype})",
                                 PerCaseAttention({"prefill": "kernel", "follower": "kernel"}, kernel, portable))
