@@ -430,6 +430,7 @@ def main() -> None:
     report["vision"] = {"ms_per_clip": v_ours * 1e3, "mlx_vlm_ms_per_clip": v_theirs * 1e3,
                         "flops_per_clip": v_flops, "tflops": v_flops / v_ours / 1e12,
                         "ms_per_block": v_ours * 1e3 / args.vision_layers}
+    save_partial(report, args)
     print(f"vision: {v_ours * 1e3:.1f} ms/clip ({v_flops / v_ours / 1e12:.0f} TFLOP/s); mlx-vlm forward "
           f"{v_theirs * 1e3:.1f} ms", flush=True)
 
@@ -466,6 +467,7 @@ def main() -> None:
                             "engine_s": lm_s, "engine_tflops": lm_flops / lm_s / 1e12,
                             "mlx_vlm_contiguous_s": c_s, "mlx_vlm_contiguous_tflops": lm_flops / c_s / 1e12,
                             "engine_ms_per_layer": lm_s * 1e3 / args.layers}
+    save_partial(report, args)
     print(f"LM prefill 8 x {prompt_len}: engine {lm_s:.3f} s ({lm_flops / lm_s / 1e12:.0f} TFLOP/s), mlx-vlm "
           f"contiguous {c_s:.3f} s ({lm_flops / c_s / 1e12:.0f})", flush=True)
     del h, pos
@@ -499,6 +501,7 @@ def main() -> None:
                         "job_flops": job_flops, "ideal_s": job_flops / ceiling_mlx,
                         "distinct8_wall_s": d_s, "distinct8_requests_per_s": len(distinct) / d_s,
                         "distinct8_ideal_s": d_flops / ceiling_mlx}
+    save_partial(report, args)
     print(f"engine: {n} requests in {e2e_s:.2f} s ({n / e2e_s:.1f} req/s); ideal {job_flops / ceiling_mlx:.2f} s; "
           f"8 distinct clips {d_s:.2f} s", flush=True)
 
@@ -512,6 +515,7 @@ def main() -> None:
         except Exception:
             kernel = None
     report["attention"] = attention_cases(mx.bfloat16, kernel, args.repeats, small=args.smoke)
+    save_partial(report, args)
     for name, row in report["attention"].items():
         print(f"attention {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()
                                                 if isinstance(v, float) and k.endswith("_ms")), flush=True)
@@ -534,6 +538,13 @@ def main() -> None:
         print(f"transformers: {hf}", flush=True)
 
     summarize(report, args)
+
+
+def save_partial(report: dict, args) -> None:
+    """Write what is measured so far: a run stopped at its time limit still leaves its figures."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"partial-L{args.layers}-V{args.vision_layers}.json").write_text(json.dumps(report, indent=1, default=float))
 
 
 def summarize(report: dict, args) -> None:
