@@ -170,10 +170,15 @@ def main() -> None:
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--clips", type=int, default=16)
     parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--sections", default="reproductions,kernels,engine_parity",
+                        help="comma-separated subset of: reproductions, kernels, engine_parity")
     args = parser.parse_args()
+    wanted = set(args.sections.split(","))
     report = {"tf32": os.environ["MLX_ENABLE_TF32"]}
     for name, fn in (("reproductions", reproductions), ("kernels", kernel_checks),
                      ("engine_parity", lambda: engine_parity(args.clips, args.questions))):
+        if name not in wanted:
+            continue
         t0 = time.perf_counter()
         try:
             report[name] = fn()

@@ -10,7 +10,10 @@ Two things differ from running mlx-vlm's `VisionModel.__call__` (0.7.10) as it i
   boundaries are dropped; on CPU that is bit-identical (an empty window contributes nothing).
 - **Packed attention** (`vision_attention.py`): mlx-vlm splits q/k/v on `cu_seqlens.tolist()` in every layer
   (a host sync per layer) and runs one SDPA per window. Here the split is planned once per tower call: windows
-  of equal length (all of them, for sizes that are multiples of 112 pixels) run as one batched SDPA call.
+  of equal length (all of them, for sizes that are multiples of 112 pixels) run as one batched SDPA call;
+  the rotary tables are built once per call and applied to q and k in one fused kernel.
+- **Fused MLP** (`vision_mlp.py`): the blocks' gate/up/down linears become one zero-padded matmul pair at
+  load (`fix_model` calls `fuse_gated_mlps`), so the intermediate width is a multiple of the GEMM tile.
 
 Model-family knowledge for Qwen2.5-VL's tower only (Qwen2-VL's is in qwen2_vision.py).
 """
@@ -21,7 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .vision_attention import drop_repeated_boundaries, frame_boundaries, packed_attention, segment_plan
+from .vision_attention import (drop_repeated_boundaries, frame_boundaries, packed_attention, rope_tables,
+                               segment_plan)
 
 _PATCHED = "_batchjob_window_index_patched"
 
@@ -52,13 +56,13 @@ def encode_qwen25(tower: nn.Module, pixel_values: mx.array, grid_thw: list[tuple
     seq = hidden.shape[0]
     index = mx.array(window_index)
     hidden = hidden.reshape(seq // unit, unit, -1)[index].reshape(seq, -1)
-    rotary = rotary.reshape(seq // unit, unit, -1)[index].reshape(seq, -1)
+    rope = rope_tables(rotary.reshape(seq // unit, unit, -1)[index].reshape(seq, -1))
     windows = segment_plan(np.array(cu_window))
     frames = segment_plan(frame_boundaries(grid_thw))
     full = set(tower.fullatt_block_indexes)
     for i, block in enumerate(tower.blocks):
         plan = frames if i in full else windows
-        hidden = hidden + packed_attention(block.attn, block.norm1(hidden), plan, rotary)
+        hidden = hidden + packed_attention(block.attn, block.norm1(hidden), plan, rope)
         hidden = hidden + block.mlp(block.norm2(hidden))
     hidden = tower.merger(hidden)
     return hidden[mx.array(np.argsort(window_index).astype(np.int32))]

@@ -9,7 +9,6 @@ permutation restores token order. Empty segments are dropped (MLX CUDA's SDPA fa
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -63,15 +62,42 @@ def segment_plan(cu_seqlens: np.ndarray) -> SegmentPlan:
     return SegmentPlan(tuple(groups), mx.array(restore))
 
 
-def packed_attention(attn: nn.Module, x: mx.array, plan: SegmentPlan, rotary: mx.array) -> mx.array:
-    """mlx-vlm's vision `Attention` (same weights, same math) with the segments of `plan`, no host sync."""
-    apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb_vision
+@dataclass(frozen=True)
+class RopeTables:
+    """The vision rotary embedding's cos/sin, `[tokens, 1, 1, head_dim]` in fp32: built once per tower call
+    (mlx-vlm recomputes them, and tiles them, for q and for k in every block)."""
+
+    cos: mx.array
+    sin: mx.array
+
+
+def rope_tables(freqs: mx.array) -> RopeTables:
+    """From the tower's `rot_pos_emb` output `[tokens, head_dim / 2]` (the halves repeat, as in mlx-vlm)."""
+    def table(x):
+        return mx.concatenate([x, x], axis=-1)[:, None, None, :]
+
+    return RopeTables(table(mx.cos(freqs)), table(mx.sin(freqs)))
+
+
+@mx.compile
+def _rope_qk(qk: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """mlx-vlm's `apply_rotary_pos_emb_vision` on q and k at once, one fused kernel: fp32 math, input dtype out."""
+    half = qk.shape[-1] // 2
+    rotated = mx.concatenate([-qk[..., half:], qk[..., :half]], axis=-1)
+    return ((qk * cos) + (rotated * sin)).astype(qk.dtype)
+
+
+def packed_attention(attn: nn.Module, x: mx.array, plan: SegmentPlan, rope: RopeTables | mx.array) -> mx.array:
+    """mlx-vlm's vision `Attention` (same weights, same math) with the segments of `plan`, no host sync.
+
+    `rope`: tables from `rope_tables` (build them once per tower call), or the raw rotary frequencies."""
+    if not isinstance(rope, RopeTables):
+        rope = rope_tables(rope)
     tokens = x.shape[0]
     heads, head_dim = attn.num_heads, attn.head_dim
     qkv = attn.qkv(x).reshape(tokens, 3, heads, head_dim)
-    q = apply_rope(qkv[:, 0][None], rotary)[0]
-    k = apply_rope(qkv[:, 1][None], rotary)[0]
-    v = qkv[:, 2]
+    qk = _rope_qk(qkv[:, :2], rope.cos, rope.sin)
+    q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
     outs = []
     for g in plan.groups:
         parts = [t if g.gather is None else t[g.gather] for t in (q, k, v)]

@@ -150,3 +150,52 @@ def test_packed_qwen2_vl_tower_matches_mlx_vlm(checkpoint_dir, rng, name, monkey
             m.setattr(mx, "split", lambda *a, **k: (_ for _ in ()).throw(AssertionError("split per block")))
             got = encode_qwen2(tower, px, [grid])
         assert got.shape == want.shape and float(mx.abs(got - want).max()) <= 1e-5
+
+
+@pytest.mark.parametrize("inter,bias", [(96, True), (100, False), (128, True), (3420 // 10, True)])
+def test_fused_gated_mlp_equals_the_three_linears(rng, inter, bias):
+    """Gate/up stacked and zero-padded to the GEMM tile: same values as mlx-vlm's `down(silu(gate) * up)`."""
+    import mlx.nn as nn
+
+    from batchjob.engine.vision_mlp import GEMM_TILE, FusedGatedMLP
+
+    hidden = 48
+    mx.random.seed(int(rng.integers(1 << 30)))
+    gate, up, down = nn.Linear(hidden, inter, bias=bias), nn.Linear(hidden, inter, bias=bias), nn.Linear(inter, hidden)
+    x = mx.array(rng.standard_normal((37, hidden)).astype(np.float32))
+    want = down(nn.silu(gate(x)) * up(x))
+    fused = FusedGatedMLP(gate, up, down)
+    assert fused.gate_up.weight.shape[0] % (2 * GEMM_TILE) == 0 and fused.down.weight.shape[1] % GEMM_TILE == 0
+    assert float(mx.abs(fused(x) - want).max()) <= 1e-5
+
+
+def test_fused_tower_matches_unfused_mlx_vlm(checkpoint_dir, rng):
+    """The load-time swap (`fix_model`) keeps the tower's output: mlx-vlm's untouched forward as reference,
+    then our packed forward over the fused, padded MLPs (intermediate 96 -> 128 here)."""
+    from mlx_vlm.utils import load_model
+
+    from batchjob.engine.vision_mlp import FusedGatedMLP, fuse_gated_mlps
+
+    tower = load_model(Path(checkpoint_dir("qwen2_5_vl-mha"))).vision_tower
+    patch_window_index(tower)
+    for grid in [(2, 16, 16), (1, 10, 6)]:
+        px = pixels(rng, grid)
+        want = tower(px, mx.array([list(grid)]))
+        fused_tower = load_model(Path(checkpoint_dir("qwen2_5_vl-mha"))).vision_tower
+        assert fuse_gated_mlps(fused_tower.blocks) == len(fused_tower.blocks)
+        assert all(isinstance(b.mlp, FusedGatedMLP) for b in fused_tower.blocks)
+        got = encode_qwen25(fused_tower, px, [grid])
+        assert float(mx.abs(got - want).max()) <= 1e-5
+
+
+def test_fuse_leaves_quantized_mlps_alone(checkpoint_dir):
+    import mlx.nn as nn
+    from mlx_vlm.utils import load_model
+
+    from batchjob.engine.vision_mlp import fuse_gated_mlps
+
+    tower = load_model(Path(checkpoint_dir("qwen2_5_vl-mha"))).vision_tower
+    block = tower.blocks[0]
+    block.mlp.up_proj = nn.QuantizedLinear.from_linear(nn.Linear(64, 96), group_size=32, bits=4)
+    assert fuse_gated_mlps(tower.blocks) == len(tower.blocks) - 1
+    assert hasattr(tower.blocks[0].mlp, "up_proj")

@@ -12,6 +12,7 @@ from ..mrope import mrope_positions, placeholder_runs, video_temporal_interval
 from ..preprocess import load_vision_settings
 from ..qwen2_vision import encode_qwen2
 from ..qwen25_vision import encode_qwen25, patch_window_index
+from ..vision_mlp import fuse_gated_mlps
 from ..types import EngineError
 from . import ModelFamily, VideoPrompt, video_rows
 
@@ -51,6 +52,7 @@ class Qwen2VLFamily(ModelFamily):
     def fix_model(self, model) -> None:
         if self.hf_config["model_type"] == "qwen2_5_vl":   # mlx-vlm 0.7.10's empty windows (docs/upstream.md)
             patch_window_index(model.vision_tower)
+            fuse_gated_mlps(model.vision_tower.blocks)     # GEMM-friendly widths (vision_mlp.py)
 
     def encode_video(self, model, pixel_values, grid_thw, dtype) -> mx.array:
         """Our packed tower forward (the plan built once per call, no host sync per layer): equal to mlx-vlm's."""
