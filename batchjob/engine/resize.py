@@ -6,9 +6,14 @@ vertical pass, with the weights quantised to int16 at a per-axis precision. PIL'
 processor's) is the same filter but rounds differently, and a float resize lets bicubic overshoot survive
 between passes (up to 15 levels on busy frames); either moved option probabilities by several 1e-3 against
 vLLM and transformers on resized clips. This reproduces the fixed-point path, so the MLX engine sees the
-pixels a vLLM or transformers user gets, without importing torch.
+pixels a vLLM or transformers user gets. Where torch is importable, its own kernel (the very function
+torchvision calls, vectorised in C++) does the work instead: same pixels, an order of magnitude faster on
+1080p frames, which matters because decoders resize every frame of every clip. The numpy path keeps the
+default install free of torch; `BATCHJOB_RESIZE=numpy` forces it.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -70,11 +75,47 @@ def _pass(x: np.ndarray, out_size: int) -> np.ndarray:
     return np.clip(acc >> precision, 0, 255).astype(np.uint8)
 
 
-def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8 [T, H, W, C] -> uint8 [T, height, width, C], as torchvision resizes a uint8 video."""
+def _torch_resize(frames: np.ndarray, height: int, width: int) -> np.ndarray | None:
+    """PyTorch's uint8 antialiased bicubic, called as torchvision calls it; None when torch is not installed."""
+    if os.environ.get("BATCHJOB_RESIZE", "auto") == "numpy":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    # A channels-last view: PyTorch's vectorised uint8 kernel reads it directly (same bytes as NCHW, tested).
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+    with torch.inference_mode():
+        x = torch.nn.functional.interpolate(x, size=(height, width), mode="bicubic", antialias=True,
+                                            align_corners=False)
+    return np.ascontiguousarray(x.permute(0, 2, 3, 1).numpy())
+
+
+def resize_frames(frames: np.ndarray, height: int, width: int, backend: str = "auto") -> np.ndarray:
+    """uint8 [T, H, W, C] -> uint8 [T, height, width, C], as torchvision resizes a uint8 video.
+
+    `backend`: "auto" (torch's kernel when importable, else numpy), "numpy" or "torch"."""
+    if frames.shape[1:3] == (height, width):
+        return frames
+    if backend != "numpy":
+        out = _torch_resize(frames, height, width) if backend == "auto" else _torch_resize_required(frames, height,
+                                                                                                    width)
+        if out is not None:
+            return out
     out = frames
     if frames.shape[2] != width:         # horizontal first, as PyTorch (and PIL) do
         out = np.ascontiguousarray(_pass(np.ascontiguousarray(out.transpose(2, 0, 1, 3)), width).transpose(1, 2, 0, 3))
     if frames.shape[1] != height:
         out = np.ascontiguousarray(_pass(np.ascontiguousarray(out.transpose(1, 0, 2, 3)), height).transpose(1, 0, 2, 3))
     return out
+
+
+def _torch_resize_required(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    import torch  # noqa: F401  (an ImportError here names the missing package)
+
+    saved = os.environ.pop("BATCHJOB_RESIZE", None)
+    try:
+        return _torch_resize(frames, height, width)
+    finally:
+        if saved is not None:
+            os.environ["BATCHJOB_RESIZE"] = saved

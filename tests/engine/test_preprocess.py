@@ -71,7 +71,24 @@ def test_resize_is_the_video_processors(rng):
         frames = rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8)
         height, width = int(rng.integers(14, 200)), int(rng.integers(14, 200))
         height = h if rng.random() < 0.25 else height
-        np.testing.assert_array_equal(resize_frames(frames, height, width), _torch_resize(frames, height, width))
+        want = _torch_resize(frames, height, width)
+        np.testing.assert_array_equal(resize_frames(frames, height, width, backend="numpy"), want)
+        np.testing.assert_array_equal(resize_frames(frames, height, width, backend="torch"), want)
+
+
+def test_resize_backends_agree_at_real_frame_sizes(rng, monkeypatch):
+    """1080p and 720p frames down to Qwen's grids: the torch kernel the decoders use when torch is installed
+    and the numpy path they fall back on give the same bytes; `BATCHJOB_RESIZE=numpy` forces numpy."""
+    from batchjob.engine import resize
+
+    for (h, w), (height, width) in [((1080, 1920), (336, 588)), ((720, 1280), (448, 784)), ((360, 640), (364, 644))]:
+        frames = rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8)
+        numpy_out = resize.resize_frames(frames, height, width, backend="numpy")
+        np.testing.assert_array_equal(resize.resize_frames(frames, height, width), numpy_out)
+    monkeypatch.setenv("BATCHJOB_RESIZE", "numpy")
+    assert resize._torch_resize(frames, height, width) is None
+    same = frames[:, :100, :120]
+    assert resize.resize_frames(same, 100, 120) is same
 
 
 def test_identical_frames_equal_image_processor_output(rng):
