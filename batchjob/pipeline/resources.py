@@ -40,13 +40,15 @@ def resolve_runtime(cfg: JobConfig, found: Resources) -> ResolvedRuntime:
     """Numbers for every `auto`; ConfigError (naming the key and the fix) when Ray cannot place what was asked.
 
     - engine_gpus auto: 1 when Ray reports a GPU and model.device is not cpu, else 0 (an engine on Metal
-      or on the CPU needs no Ray GPU).
+      or on the CPU needs no Ray GPU); for vLLM, its tensor_parallel_size (one replica spans that many GPUs).
     - engine_actors auto: one replica per GPU share when the engines use GPUs (GPUs // engine_gpus), else 1.
     - decode_actors auto: the CPUs left after the engines' CPUs, each decoder taking decode_cpus, at least 1.
     """
     rt = cfg.runtime
+    vllm = cfg.model.vllm if cfg.model.engine == "vllm" else None
+    per_replica = float(vllm.tensor_parallel_size) if vllm else 1.0
     if rt.engine_gpus == "auto":
-        engine_gpus = 1.0 if found.gpus >= 1 and cfg.model.device != "cpu" else 0.0
+        engine_gpus = per_replica if found.gpus >= per_replica and cfg.model.device != "cpu" else 0.0
     else:
         engine_gpus = float(rt.engine_gpus)
     if engine_gpus > 0 and cfg.model.device == "cpu":

@@ -6,7 +6,8 @@ import random
 import pytest
 import yaml
 
-from batchjob.config import ConfigError, DatasetConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig, load_config
+from batchjob.config import (ConfigError, DatasetConfig, JobConfig, ModelConfig, OutputConfig, RuntimeConfig,
+                             VllmConfig, load_config)
 from batchjob.pipeline.resources import Resources, cpus_to_start, resolve_runtime
 
 
@@ -33,6 +34,16 @@ def test_cpu_only_machine_one_engine_without_a_gpu():
     assert (plan.engines, plan.engine_gpus, plan.decoders) == (1, 0.0, 1)
     small = resolve_runtime(job(decode_cpus=0.5, engine_cpus=0.5), Resources(cpus=2, gpus=0))
     assert small.decoders == 3
+
+
+def test_vllm_tensor_parallel_replica_spans_its_gpus():
+    cfg = job()
+    cfg = cfg.model_copy(update={"model": ModelConfig(checkpoint="c", engine="vllm",
+                                                      vllm=VllmConfig(tensor_parallel_size=2))})
+    plan = resolve_runtime(cfg, Resources(cpus=64, gpus=8))
+    assert (plan.engines, plan.engine_gpus, plan.decoders) == (4, 2.0, 60)
+    plain = cfg.model_copy(update={"model": ModelConfig(checkpoint="c", engine="vllm")})
+    assert resolve_runtime(plain, Resources(cpus=64, gpus=8)).engines == 8
 
 
 def test_model_on_cpu_ignores_the_gpus():
