@@ -181,14 +181,17 @@ def _actor_peak_rss(engines: list, decoders: list) -> dict[str, list[float]]:
     import ray
 
     out: dict[str, list[float]] = {}
-    for name, actors in (("engines", engines), ("decoders", decoders)):
-        refs = [a.peak_rss_mb.remote() for a in actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5) if refs else ([], [])
-        values = []
-        for ref in ready:
-            try:
-                values.append(round(float(ray.get(ref)), 1))
-            except ray.exceptions.RayError:    # a dead replica or decoder
-                pass
-        out[name] = values
+    try:
+        for name, actors in (("engines", engines), ("decoders", decoders)):
+            refs = [a.peak_rss_mb.remote() for a in actors]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5) if refs else ([], [])
+            values = []
+            for ref in ready:
+                try:
+                    values.append(round(float(ray.get(ref)), 1))
+                except ray.exceptions.RayError:    # a dead replica or decoder
+                    pass
+            out[name] = values
+    except Exception:   # Ray itself failing: the run's own error matters, not this figure
+        pass
     return out

@@ -20,6 +20,7 @@ from batchjob.config import DatasetConfig, JobConfig, ModelConfig, OutputConfig,
 from batchjob.contract import Answer, BatchAnswers, ClipMetadata, DecodeStatus
 from batchjob.datasets import Row
 from batchjob.pipeline.driver import DECODE_ATTEMPTS, ENGINE_QUEUE, Driver, NoEngineLeft, RunStats
+from batchjob.pipeline.backpressure import target_depth
 from batchjob.pipeline.slots import DecoderSlots
 from batchjob.pipeline.work import group_by_clip
 from batchjob.pipeline.workers import TaskFailed, WorkerLost
@@ -354,3 +355,17 @@ def test_no_replica_left_stops_and_leaves_unsent_clips_for_the_rerun(tmp_path, r
     skip = {r["row_id"] for r in written}
     rows2, written2, _, _ = run_driver(tmp_path, [], rng, rows=[r for r in crash_free], skip=skip, engines=engines)
     check_every_row_once([r for r in crash_free if r.row_id not in skip], written2)
+
+
+def test_queues_are_sized_by_the_measured_rates_not_by_the_memory_bound(tmp_path, rng):
+    """A slow engine and fast decoders with a generous bound: decoders stop at the replicas' target depth
+    (fakes: decode 3 ms, a batch of 2 in 5 ms, so target = ceil(3 x 400 / 1000 x 1.5) + 2 = 4 per replica)."""
+    engines, cpb = 2, 2
+    target = target_depth(3.0, cpb / 0.005, cpb, 64, engines)
+    assert target == 4 == target_depth(None, None, cpb, 64, engines)
+    rows, written, workers, stats = run_driver(
+        tmp_path, [f"ok-{i}" for i in range(40)], rng, decoders=4, engines=engines, frames_in_flight=64,
+        clips_per_batch=cpb, decode_delay=(0.0, 0.002), engine_delay=(0.02, 0.04))
+    check_every_row_once(rows, written)
+    assert stats.queue_depth["max"] <= target * engines
+    assert workers.max_in_flight <= target * engines + engines * ENGINE_QUEUE * cpb
