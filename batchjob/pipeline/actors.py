@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Sequence
 
@@ -33,6 +34,9 @@ class Decoder:
 
     def __init__(self, loader: str, num_frames: int, loader_kwargs: dict[str, Any],
                  prepare: InputPreparer | None = None, hide_torch: bool = False):
+        # A decoder holds no Ray GPU, and Ray leaves CUDA_VISIBLE_DEVICES alone for such workers: hide the
+        # GPUs so no library opens a CUDA context (hundreds of MB each) on the engines' devices.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
         from batchjob.loaders import load_video  # imported here: registers the loaders in this process
 
         self._load = load_video
