@@ -128,16 +128,8 @@ class Driver:
                         batch, e = engine_jobs.pop(ticket)
                         self.engine_load[e] -= 1
                         self._on_answered(ticket, batch, e)
-                if not self.alive and (pending or decoding or any(self.queues)):
-                    # Nothing can answer: stop dispatching and write nothing for clips never sent (a rerun
-                    # resumes them); the clips the dead replicas held still get their rows as they report.
-                    self._unsent += len(pending) + len(decoding) + sum(len(q) for q in self.queues)
-                    self._unsent_rows += (sum(len(c.rows) for c in pending) + sum(len(c.rows) for c, *_ in
-                                         decoding.values()) + sum(len(c.rows) for q in self.queues for c, _ in q))
-                    pending.clear()
-                    decoding.clear()
-                    for q in self.queues:
-                        q.clear()
+                if not self.alive:
+                    self._stop_dispatching(pending, decoding)
                 self._kill_stuck_decoders(decoding)
                 self.stats.stream_s = time.perf_counter() - t_start
                 if self.on_progress:
@@ -145,13 +137,24 @@ class Driver:
         finally:
             self.stats.stream_s = time.perf_counter() - t_start
             self._finish_stats()
-        if not self.alive:
+        if not self.alive and self._unsent:
             unsent, rows = self._unsent, self._unsent_rows
             raise NoEngineLeft(
                 f"all {n_eng} engine replica(s) died (last: {self._lost}); {unsent} clip(s) ({rows} rows) were "
                 "never sent to an engine and have no rows: fix the cause (the Ray logs name it; "
                 "BATCHJOB_RAY_LOGS=1 shows them, e.g. GPU out of memory: lower runtime.clips_per_batch), then "
                 "rerun the same command to resume them")
+
+    def _stop_dispatching(self, pending: deque, decoding: dict) -> None:
+        """No replica left: drop every clip not sent to an engine, writing nothing for it (a rerun resumes
+        it); the clips the dead replicas held still get their error rows as their batches report."""
+        clips = [*pending, *(c for c, *_ in decoding.values()), *(c for q in self.queues for c, _ in q)]
+        self._unsent += len(clips)
+        self._unsent_rows += sum(len(c.rows) for c in clips)
+        pending.clear()
+        decoding.clear()
+        for q in self.queues:
+            q.clear()
 
     def _finish_stats(self) -> None:
         s = self.stats
