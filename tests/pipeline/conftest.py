@@ -43,6 +43,9 @@ class DeterministicEngine(EngineBase):
     def __init__(self, model, prompt):
         self.model_id = "deterministic-test"
         self.delay = float(os.environ.get("BATCHJOB_TEST_ENGINE_DELAY", "0"))
+        log_dir = os.environ.get("BATCHJOB_TEST_ENGINE_LOG")
+        if log_dir:   # which GPUs Ray gave this replica
+            Path(log_dir, f"engine-{os.getpid()}").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
 
     def answer(self, clips):
         from batchjob.contract import Answer
