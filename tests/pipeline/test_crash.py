@@ -157,9 +157,11 @@ def test_when_every_replica_died_the_run_stops_and_a_rerun_resumes(tmp_path, h, 
     manifest, clips = synthetic
     data = crash_dataset(tmp_path, manifest, clips)
     cfg = h.write_config(tmp_path / "job.yaml", data, runtime={"engine_actors": 1, "max_error_fraction": 1.0})
-    first = h.run_cli("run", str(cfg))
+    first = h.run_cli("run", str(cfg), "--stats-json", str(tmp_path / "stats.json"))
     assert first.returncode == 1, first.stderr[-3000:]
     assert "all 1 engine replica(s) died" in first.stderr and "rerun the same command" in first.stderr
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["dead_replicas"] == [0] and stats["error_rows"] == stats["done_rows"] > 0
     rows = h.read_rows(tmp_path / "out")
     errors = [r for r in rows if r["error"]]
     assert any(r["row_id"] == "crash-0" for r in errors) and all("engine replica 0 died" in r["error"] for r in errors)
