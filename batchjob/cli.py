@@ -66,7 +66,11 @@ def _pipeline_rows(stats) -> list[tuple[str, str]]:
                      + (f" (per replica {per})" if stats.engines > 1 else "")))
     if stats.queue_depth:
         q = stats.queue_depth
-        rows.append(("decoded queue", f"min {q['min']:g} / median {q['median']:g} / max {q['max']:g} clips"))
+        capped = stats.queue_target_wanted > stats.queue_target
+        rows.append(("decoded queue", f"min {q['min']:g} / median {q['median']:g} / max {q['max']:g} clips; target "
+                     f"{stats.queue_target} per replica"
+                     + (f" (the rates want {stats.queue_target_wanted}: raise runtime.frames_in_flight)" if capped
+                        else "")))
     if stats.decode_ms_per_clip is not None:
         rows.append(("decode ms/clip", f"{stats.decode_ms_per_clip:.0f} (p90 {stats.decode_ms_per_clip_p90:.0f})"))
     if stats.engine_ms_per_clip is not None:

@@ -27,11 +27,14 @@ def target_depth(decode_ms: float | None, engine_clips_per_s: float | None, clip
     """
     hi = max(1, frames_in_flight // max(replicas, 1))
     lo = min(clips_per_batch, hi)
+    return max(lo, min(wanted_depth(decode_ms, engine_clips_per_s, clips_per_batch), hi))
+
+
+def wanted_depth(decode_ms: float | None, engine_clips_per_s: float | None, clips_per_batch: int) -> int:
+    """`target_depth` before the memory bound: when it is larger, frames_in_flight is what starves the engine."""
     if not decode_ms or not engine_clips_per_s:
-        want = 2 * clips_per_batch
-    else:
-        want = math.ceil(decode_ms * engine_clips_per_s / 1000.0 * SAFETY) + clips_per_batch
-    return max(lo, min(want, hi))
+        return 2 * clips_per_batch
+    return math.ceil(decode_ms * engine_clips_per_s / 1000.0 * SAFETY) + clips_per_batch
 
 
 def pick_replica(queue_lens: Sequence[int], loads: Sequence[int], alive: Collection[int]) -> int:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from batchjob.config import JobConfig
 from batchjob.contract import Answer, BatchAnswers, DecodeStatus, EngineClip
-from batchjob.pipeline.backpressure import Rates, may_start_decode, pick_replica, target_depth
+from batchjob.pipeline.backpressure import Rates, may_start_decode, pick_replica, target_depth, wanted_depth
 from batchjob.pipeline.slots import DecoderSlots
 from batchjob.pipeline.stats import DepthSampler, RunStats, median_and_p90, peak_rss_mb
 from batchjob.pipeline.work import ClipWork, result_row, take_batch
@@ -93,6 +93,9 @@ class Driver:
                 slots.tick()
                 target = target_depth(self.rates.decode_ms_median, self.rates.engine_clips_per_s,
                                       rt.clips_per_batch, rt.frames_in_flight, max(len(self.alive), 1))
+                self.stats.queue_target = target
+                self.stats.queue_target_wanted = wanted_depth(self.rates.decode_ms_median,
+                                                              self.rates.engine_clips_per_s, rt.clips_per_batch)
                 for d in slots.free():
                     if not pending or not may_start_decode(in_flight(), rt.frames_in_flight, len(decoding),
                                                            sum(len(q) for q in self.queues), target,

@@ -37,6 +37,8 @@ class RunStats:
     dead_replicas: list[int] = field(default_factory=list)
     queue_depth: dict[str, float] | None = None                  # decoded clips waiting, all replicas together
     queue_depth_by_replica: list[dict[str, float] | None] = field(default_factory=list)
+    queue_target: int = 0             # the last target depth per replica (from the measured rates)
+    queue_target_wanted: int = 0      # the same before the frames_in_flight cap
     decode_ms_per_clip: float | None = None                       # medians over this run's clips
     decode_ms_per_clip_p90: float | None = None
     engine_ms_per_clip: float | None = None                       # a batch's engine time / its clips

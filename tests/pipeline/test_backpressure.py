@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from batchjob.pipeline.backpressure import SAFETY, Rates, may_start_decode, pick_replica, target_depth
+from batchjob.pipeline.backpressure import (SAFETY, Rates, may_start_decode, pick_replica, target_depth,
+                                            wanted_depth)
 from batchjob.pipeline.stats import DepthSampler, RunStats, bound_by, median_and_p90, weighted_summary
 
 
@@ -17,8 +18,8 @@ def test_target_depth_covers_the_decode_latency_at_the_engine_rate():
     assert target_depth(200.0, 20.0, 4, 64, 1) == math.ceil(0.2 * 20 * SAFETY) + 4
     # a fast decoder needs little more than one batch
     assert target_depth(5.0, 2.0, 4, 64, 1) == 5
-    # clamped by the memory bound shared among replicas
-    assert target_depth(2000.0, 50.0, 4, 32, 2) == 16
+    # clamped by the memory bound shared among replicas (the unclamped want says by how much)
+    assert target_depth(2000.0, 50.0, 4, 32, 2) == 16 and wanted_depth(2000.0, 50.0, 4) == 154
     # never below one batch, unless the bound per replica is smaller still
     assert target_depth(1.0, 0.1, 3, 64, 1) == 4 and target_depth(1.0, 0.1, 8, 6, 2) == 3
 

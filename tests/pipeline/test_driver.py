@@ -369,3 +369,4 @@ def test_queues_are_sized_by_the_measured_rates_not_by_the_memory_bound(tmp_path
     check_every_row_once(rows, written)
     assert stats.queue_depth["max"] <= target * engines
     assert workers.max_in_flight <= target * engines + engines * ENGINE_QUEUE * cpb
+    assert stats.queue_target == stats.queue_target_wanted == target
