@@ -46,15 +46,47 @@ def _summary_table(stats, summary: dict | None) -> Table:
         t.add_row("engine", f"{rt.get('device')} {rt.get('dtype')}, attention {rt.get('attention_backend')}")
     if len(stats.decode_nodes) > 1:
         t.add_row("decode nodes", str(len(stats.decode_nodes)))
+    for label, value in _pipeline_rows(stats):
+        t.add_row(label, value)
     if summary and summary.get("accuracy") is not None:
         t.add_row("accuracy (all output)", f"{summary['accuracy']:.4f} over {summary['scored']} rows")
     return t
+
+
+def _pipeline_rows(stats) -> list[tuple[str, str]]:
+    """The summary's pipeline lines: resolved actors, engine busy fraction, queue depth, per-clip times."""
+    if not stats.engines:
+        return []
+    dead = f", {len(stats.dead_replicas)} died" if stats.dead_replicas else ""
+    rows = [("actors", f"{stats.engines} engine replica(s) x {stats.engine_gpus:g} GPU{dead}, "
+                       f"{stats.decoders} decoder(s)")]
+    if stats.gpu_busy is not None and stats.done_rows:
+        per = " / ".join(f"{b:.0%}" for b in stats.engine_busy_by_replica)
+        rows.append(("engine busy", f"{stats.gpu_busy:.0%} of streaming time"
+                     + (f" (per replica {per})" if stats.engines > 1 else "")))
+    if stats.queue_depth:
+        q = stats.queue_depth
+        capped = stats.queue_target_wanted > stats.queue_target
+        rows.append(("decoded queue", f"min {q['min']:g} / median {q['median']:g} / max {q['max']:g} clips; target "
+                     f"{stats.queue_target} per replica"
+                     + (f" (the rates want {stats.queue_target_wanted}: raise runtime.frames_in_flight)" if capped
+                        else "")))
+    if stats.decode_ms_per_clip is not None:
+        rows.append(("decode ms/clip", f"{stats.decode_ms_per_clip:.0f} (p90 {stats.decode_ms_per_clip_p90:.0f})"))
+    if stats.engine_ms_per_clip is not None:
+        rows.append(("engine ms/clip", f"{stats.engine_ms_per_clip:.0f} (p90 {stats.engine_ms_per_clip_p90:.0f})"))
+    if stats.bound_by:
+        rows.append(("bound by", stats.bound_by))
+    if stats.peak_rss_mb:
+        rows.append(("driver peak memory", f"{stats.peak_rss_mb:.0f} MB"))
+    return rows
 
 
 def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool, ray_address: str | None,
          quiet: bool = False, stats_json: Path | None = None, retry_errors: bool = False,
          date: str | None = None) -> None:
     from batchjob.config import ConfigError, load_config
+    from batchjob.pipeline.driver import NoEngineLeft
     from batchjob.pipeline.job import EngineStartError, JobTerminated, run_job
     from batchjob.pipeline.output import OutputMismatch
     from batchjob.pipeline.report import summarize
@@ -83,8 +115,10 @@ def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool,
             stats = run_job(cfg, restart=restart, retry_errors=retry_errors, on_start=on_start, on_progress=on_progress)
     except (ConfigError, OutputMismatch) as e:
         raise _bad_config(str(e))
-    except EngineStartError as e:
+    except (EngineStartError, NoEngineLeft) as e:
         err.print(f"[bold red]engine error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        if stats_json and isinstance(e, NoEngineLeft):   # monitoring still gets what this run did
+            stats_json.write_text(json.dumps(e.stats.as_dict(), indent=1) + "\n")
         raise typer.Exit(1)
     except (KeyboardInterrupt, JobTerminated) as e:
         err.print("interrupted: finished rows are saved; rerun the same command to resume")

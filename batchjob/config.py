@@ -119,8 +119,13 @@ class PromptConfig(_Section):
 
 
 class RuntimeConfig(_Section):
-    decode_actors: int = Field(2, ge=1)
-    engine_actors: int = Field(1, ge=1)
+    decode_actors: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
+        "auto", description="CPU decoders; auto = the CPUs Ray reports, less the engines' CPUs (at least 1)")
+    engine_actors: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
+        "auto", description="engine replicas (one model copy each); auto = one per GPU when the engine uses GPUs, else 1")
+    engine_gpus: Literal["auto"] | Annotated[Float, Field(ge=0)] = Field(
+        "auto", description="Ray num_gpus per engine replica; auto = 1 when Ray reports GPUs and model.device is "
+        "not cpu, else 0")
     decode_cpus: Float = Field(1.0, gt=0)
     engine_cpus: Float = Field(1.0, gt=0, description="also the engine's BLAS threads (at least 1): give a CPU "
                                "engine the cores it should use beside the decoders")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Sequence
 
@@ -33,6 +34,9 @@ class Decoder:
 
     def __init__(self, loader: str, num_frames: int, loader_kwargs: dict[str, Any],
                  prepare: InputPreparer | None = None, hide_torch: bool = False):
+        # A decoder holds no Ray GPU, and Ray leaves CUDA_VISIBLE_DEVICES alone for such workers: hide the
+        # GPUs so no library opens a CUDA context (hundreds of MB each) on the engines' devices.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
         from batchjob.loaders import load_video  # imported here: registers the loaders in this process
 
         self._load = load_video
@@ -53,6 +57,11 @@ class Decoder:
 
     def node_id(self) -> str:
         return self.node
+
+    def peak_rss_mb(self) -> float:
+        from batchjob.pipeline.stats import peak_rss_mb
+
+        return peak_rss_mb()
 
     def decode(self, video: str) -> tuple[DecodeStatus, Any]:
         """(status, payload): the payload is the frames, or the engine's prepared input; None on failure."""
@@ -93,6 +102,11 @@ class EngineHost:
     def describe(self) -> EngineDescription:
         return self.engine.describe()
 
+    def peak_rss_mb(self) -> float:
+        from batchjob.pipeline.stats import peak_rss_mb
+
+        return peak_rss_mb()
+
     def answer(self, clips: Sequence[EngineClip], *payloads: Any) -> BatchAnswers:
         """clips[i] is answered from payloads[i]; payloads arrive as top-level arguments so Ray resolves
         them here, in the engine's process."""
@@ -112,8 +126,11 @@ def make_decoders(n: int, cpus: float, loader: str, num_frames: int, kwargs: dic
     return [cls.remote(loader, num_frames, kwargs, prepare, hide_torch) for _ in range(n)]
 
 
-def make_engines(n: int, cpus: float, model: ModelConfig, prompt: PromptConfig) -> list:
+def make_engines(n: int, cpus: float, model: ModelConfig, prompt: PromptConfig, gpus: float = 0.0) -> list:
     import ray
 
-    cls = ray.remote(EngineHost).options(num_cpus=cpus, max_restarts=1, max_task_retries=0)
+    # num_gpus: Ray gives each replica its own GPU(s) through CUDA_VISIBLE_DEVICES.
+    # max_restarts=0: a replica whose process died stays dead; the driver fails only the clips it held and
+    # goes on with the others (a restart would reload the whole model, and a clip that killed it may again).
+    cls = ray.remote(EngineHost).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_task_retries=0)
     return [cls.remote(model, prompt, cpus) for _ in range(n)]

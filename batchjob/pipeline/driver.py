@@ -1,60 +1,43 @@
 """The streaming driver: keeps a bounded number of clips in flight and writes answers as they arrive.
 
-Each decoder gets one clip at a time (so a decode timeout is measured from when it really started),
-decoded clips wait in a queue bounded by `frames_in_flight`, and each engine keeps up to two batches
-queued so it never idles while the driver assembles the next one. Frames (or the engine's prepared
-input) move decoder -> engine as ObjectRefs; the driver only sees decode statuses and answers (the frozen
-dataclasses of `batchjob.contract`). It reaches the actors through `Workers`, so tests run it without Ray.
+Each decoder gets one clip at a time (so a decode timeout is measured from when it really started). A
+decoded clip joins the queue of one engine replica (the shortest), with all its questions: the replica that
+answers a clip holds its prefix, so a clip never splits across replicas, not even when its batch is retried.
+Each queue is kept as deep as the measured rates call for (`batchjob.pipeline.backpressure`), and the clips
+in flight never exceed `frames_in_flight`. Each replica keeps up to two batches sent so it never idles while
+the driver assembles the next one. A replica whose process dies costs the clips it held; the others carry
+on. Frames (or the engine's prepared input) move decoder -> engine as ObjectRefs; the driver only sees
+decode statuses and answers (the frozen dataclasses of `batchjob.contract`). It reaches the actors through
+`Workers`, so tests run it without Ray.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 from batchjob.config import JobConfig
 from batchjob.contract import Answer, BatchAnswers, DecodeStatus, EngineClip
+from batchjob.pipeline.backpressure import Rates, may_start_decode, pick_replica, target_depth, wanted_depth
 from batchjob.pipeline.slots import DecoderSlots
+from batchjob.pipeline.stats import DepthSampler, RunStats, median_and_p90, peak_rss_mb
 from batchjob.pipeline.work import ClipWork, result_row, take_batch
 from batchjob.pipeline.workers import TaskFailed, WorkerLost, Workers
 
-ENGINE_QUEUE = 2          # batches queued per engine actor
+__all__ = ["Driver", "NoEngineLeft", "RunStats", "DECODE_ATTEMPTS", "ENGINE_QUEUE"]
+
+ENGINE_QUEUE = 2          # batches sent ahead to each engine replica
 DECODE_ATTEMPTS = 2       # a clip whose decoder process died is retried once, on a restarted decoder
 
 
-@dataclass
-class RunStats:
-    total_rows: int = 0          # rows in the dataset (after limit)
-    skipped_rows: int = 0        # already in the output (resume)
-    done_rows: int = 0           # written by this run
-    error_rows: int = 0
-    wall_s: float = 0.0          # whole run: Ray start-up and model load included
-    stream_s: float = 0.0        # the streaming phase only (first decode submitted to last row written)
-    decode_busy_s: float = 0.0   # summed over decoders (decode plus input preparation)
-    engine_busy_s: float = 0.0   # summed over engines
-    decoders: int = 0
-    engines: int = 0
-    model: str = ""
-    engine_runtime: dict[str, str] = field(default_factory=dict)  # device, dtype, attention backend
-    decode_nodes: set[str] = field(default_factory=set)
+class NoEngineLeft(RuntimeError):
+    """Every engine replica died: the run stops; clips never sent to an engine have no rows (a rerun resumes them).
+    Carries the run's statistics so far, for `--stats-json`."""
 
-    @property
-    def rows_per_s(self) -> float:
-        return self.done_rows / self.wall_s if self.wall_s > 0 else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain values for `batchjob run --stats-json` (monitoring, benchmarks)."""
-        out = {k: v for k, v in vars(self).items() if k != "decode_nodes"}
-        return {**out, "decode_nodes": sorted(self.decode_nodes), "rows_per_s": self.rows_per_s,
-                "overlap_efficiency": self.overlap_efficiency if self.done_rows else None}
-
-    @property
-    def overlap_efficiency(self) -> float:
-        """Wall time over the busiest stage's busy time (per worker); 1.0 means the other stage was fully hidden."""
-        busiest = max(self.decode_busy_s / max(self.decoders, 1), self.engine_busy_s / max(self.engines, 1))
-        return self.stream_s / busiest if busiest > 0 else float("nan")
+    def __init__(self, message: str, stats: RunStats):
+        super().__init__(message)
+        self.stats = stats
 
 
 class Driver:
@@ -83,69 +66,127 @@ class Driver:
     # -- main loop -------------------------------------------------------------------------------
     def run(self, clips: list[ClipWork]) -> None:
         rt, workers = self.cfg.runtime, self.workers
+        n_eng = workers.num_engines
+        self.stats.engines, self.stats.decoders = n_eng, workers.num_decoders
+        self.stats.engine_busy_s_by_replica = [0.0] * n_eng
         t_start = time.perf_counter()
         pending: deque[ClipWork] = deque(clips)
         decoding: dict[Any, tuple[ClipWork, Any, int, float]] = {}   # status ticket -> clip, payload, decoder, t0
         slots = DecoderSlots(workers)
-        decoded: deque[tuple[ClipWork, Any]] = deque()               # waiting for an engine
+        self.queues: list[deque[tuple[ClipWork, Any]]] = [deque() for _ in range(n_eng)]  # decoded, per replica
         engine_jobs: dict[Any, tuple[list[tuple[ClipWork, Any]], int]] = {}
-        engine_load = [0] * workers.num_engines
+        self.engine_load = [0] * n_eng                                # batches sent, per replica
+        self.alive: set[int] = set(range(n_eng))
+        self.rates, self.depths = Rates(), DepthSampler(n_eng)
+        self._decode_ms: list[float] = []
+        self._engine_ms: list[float] = []
+        self._lost: str | None = None                                # why the last replica died
+        self._unsent = self._unsent_rows = 0                         # clips (rows) never sent when all died
 
         def in_flight() -> int:
-            return len(decoding) + len(decoded) + sum(len(b) for b, _ in engine_jobs.values())
+            return (len(decoding) + sum(len(q) for q in self.queues)
+                    + sum(len(b) for b, _ in engine_jobs.values()))
 
-        while pending or decoding or decoded or engine_jobs:
-            # 1. decoders: one clip each, bounded by the clips in flight
-            slots.tick()
-            for d in slots.free():
-                if not pending or in_flight() >= rt.frames_in_flight:
-                    break
-                clip = pending.popleft()
-                clip.attempts += 1
-                status_ticket, payload = workers.decode(d, clip.video)
-                decoding[status_ticket] = (clip, payload, d, time.monotonic())
-                slots.busy.add(d)
-            if pending and slots.all_dead():
-                while pending:
-                    self._emit(pending.popleft(), {}, None, "no decoder process left alive (see the Ray logs)")
-            # 2. engines: full batches; a partial one only when the engine would otherwise idle
-            for e in range(workers.num_engines):
-                while decoded and engine_load[e] < ENGINE_QUEUE:
-                    more_coming = bool(pending or decoding)
-                    if len(decoded) < rt.clips_per_batch and more_coming and engine_load[e] > 0:
+        try:
+            while pending or decoding or any(self.queues) or engine_jobs:
+                # 1. decoders: one clip each, within the memory bound and the replicas' queue targets
+                slots.tick()
+                target = target_depth(self.rates.decode_ms_median, self.rates.engine_clips_per_s,
+                                      rt.clips_per_batch, rt.frames_in_flight, max(len(self.alive), 1))
+                self.stats.queue_target = target
+                self.stats.queue_target_wanted = wanted_depth(self.rates.decode_ms_median,
+                                                              self.rates.engine_clips_per_s, rt.clips_per_batch)
+                for d in slots.free():
+                    if not pending or not may_start_decode(in_flight(), rt.frames_in_flight, len(decoding),
+                                                           sum(len(q) for q in self.queues), target,
+                                                           len(self.alive)):
                         break
-                    batch = take_batch(decoded, rt.clips_per_batch)
-                    self._submit(e, batch, engine_jobs, engine_load)
-            # 3. wait for anything, then drain everything that is ready
-            tickets = list(decoding) + list(engine_jobs) + list(slots.probes)
-            if not tickets:          # only decoders waiting to be re-probed
-                time.sleep(0.1)
-                continue
-            for ticket in workers.wait(tickets, timeout=0.5):
-                if ticket in decoding:
-                    clip, payload, d, _t0 = decoding.pop(ticket)
-                    if self._on_decoded(ticket, clip, payload, pending, decoded):
-                        slots.died(d)
+                    clip = pending.popleft()
+                    clip.attempts += 1
+                    status_ticket, payload = workers.decode(d, clip.video)
+                    decoding[status_ticket] = (clip, payload, d, time.monotonic())
+                    slots.busy.add(d)
+                if pending and slots.all_dead():
+                    while pending:
+                        self._emit(pending.popleft(), {}, None, "no decoder process left alive (see the Ray logs)")
+                # 2. engines: full batches; a partial one only when the replica would otherwise idle
+                more_coming = bool(pending or decoding)
+                for e in sorted(self.alive):
+                    q = self.queues[e]
+                    while q and self.engine_load[e] < ENGINE_QUEUE:
+                        if len(q) < rt.clips_per_batch and more_coming and self.engine_load[e] > 0:
+                            break
+                        self._submit(e, take_batch(q, rt.clips_per_batch), engine_jobs)
+                self.depths.observe(time.perf_counter(), [len(q) for q in self.queues])
+                # 3. wait for anything, then drain everything that is ready
+                tickets = list(decoding) + list(engine_jobs) + list(slots.probes)
+                if not tickets:          # only decoders waiting to be re-probed
+                    time.sleep(0.1)
+                    continue
+                for ticket in workers.wait(tickets, timeout=0.5):
+                    if ticket in decoding:
+                        clip, payload, d, _t0 = decoding.pop(ticket)
+                        if self._on_decoded(ticket, clip, payload, pending):
+                            slots.died(d)
+                        else:
+                            slots.busy.discard(d)
+                    elif ticket in slots.probes:
+                        slots.on_probe(ticket)
                     else:
-                        slots.busy.discard(d)
-                elif ticket in slots.probes:
-                    slots.on_probe(ticket)
-                else:
-                    batch, e = engine_jobs.pop(ticket)
-                    engine_load[e] -= 1
-                    self._on_answered(ticket, batch, decoded)
-            self._kill_stuck_decoders(decoding)
+                        batch, e = engine_jobs.pop(ticket)
+                        self.engine_load[e] -= 1
+                        self._on_answered(ticket, batch, e)
+                if not self.alive:
+                    self._stop_dispatching(pending, decoding)
+                self._kill_stuck_decoders(decoding)
+                self.stats.stream_s = time.perf_counter() - t_start
+                if self.on_progress:
+                    self.on_progress(self.stats)
+        finally:
             self.stats.stream_s = time.perf_counter() - t_start
-            if self.on_progress:
-                self.on_progress(self.stats)
+            self._finish_stats()
+        if not self.alive and self._unsent:
+            unsent, rows = self._unsent, self._unsent_rows
+            raise NoEngineLeft(
+                f"all {n_eng} engine replica(s) died (last: {self._lost}); {unsent} clip(s) ({rows} rows) were "
+                "never sent to an engine and have no rows: fix the cause (the Ray logs name it; "
+                "BATCHJOB_RAY_LOGS=1 shows them, e.g. GPU out of memory: lower runtime.clips_per_batch), then "
+                "rerun the same command to resume them", self.stats)
 
-    def _submit(self, e: int, batch: list[tuple[ClipWork, Any]], jobs: dict, load: list[int]) -> None:
+    def _stop_dispatching(self, pending: deque, decoding: dict) -> None:
+        """No replica left: drop every clip not sent to an engine, writing nothing for it (a rerun resumes
+        it); the clips the dead replicas held still get their error rows as their batches report."""
+        clips = [*pending, *(c for c, *_ in decoding.values()), *(c for q in self.queues for c, _ in q)]
+        self._unsent += len(clips)
+        self._unsent_rows += sum(len(c.rows) for c in clips)
+        pending.clear()
+        decoding.clear()
+        for q in self.queues:
+            q.clear()
+
+    def _finish_stats(self) -> None:
+        s = self.stats
+        s.queue_depth, s.queue_depth_by_replica = self.depths.summary()
+        s.decode_ms_per_clip, s.decode_ms_per_clip_p90 = median_and_p90(self._decode_ms)
+        s.engine_ms_per_clip, s.engine_ms_per_clip_p90 = median_and_p90(self._engine_ms)
+        s.dead_replicas = sorted(set(range(self.workers.num_engines)) - self.alive)
+        s.peak_rss_mb = peak_rss_mb()
+
+    def _submit(self, e: int, batch: list[tuple[ClipWork, Any]], jobs: dict) -> None:
         clips = [EngineClip(c.job, c.status.metadata) for c, _ in batch]
         ticket = self.workers.answer(e, clips, [p for _, p in batch])
         jobs[ticket] = (batch, e)
-        load[e] += 1
+        self.engine_load[e] += 1
 
-    def _on_decoded(self, ticket: Any, clip: ClipWork, payload: Any, pending: deque, decoded: deque) -> bool:
+    def _enqueue(self, item: tuple[ClipWork, Any]) -> None:
+        if not self.alive:   # the run is stopping: never sent, no row (a rerun resumes it)
+            self._unsent += 1
+            self._unsent_rows += len(item[0].rows)
+            return
+        e = pick_replica([len(q) for q in self.queues], self.engine_load, self.alive)
+        self.queues[e].append(item)
+
+    def _on_decoded(self, ticket: Any, clip: ClipWork, payload: Any, pending: deque) -> bool:
         """Route a decoded clip; True when the decoder's process died (the clip is retried once)."""
         try:
             status: DecodeStatus = self.workers.result(ticket)
@@ -167,26 +208,47 @@ class Driver:
         if status.node:
             self.stats.decode_nodes.add(status.node)
         if status.ok:
-            decoded.append((clip, payload))
+            self._decode_ms.append(status.busy_ms)
+            self.rates.decoded(status.busy_ms)
+            self._enqueue((clip, payload))
         else:
             self._emit(clip, {}, None, status.error)
         return False
 
-    def _on_answered(self, ticket: Any, batch: list[tuple[ClipWork, Any]], decoded: deque) -> None:
+    def _on_answered(self, ticket: Any, batch: list[tuple[ClipWork, Any]], e: int) -> None:
         try:
             result: BatchAnswers = self.workers.result(ticket)
-        except (TaskFailed, WorkerLost) as err:
+        except WorkerLost as err:
+            # The replica's process is gone (no restart: a GPU replica would reload a whole model). Its clips
+            # in flight get error rows; its queue moves to the live replicas.
+            why = f"engine replica {e} died: {err}"
+            if e in self.alive:
+                self.alive.discard(e)
+                self._lost = why
+                orphans, self.queues[e] = self.queues[e], deque()
+                for item in orphans:
+                    self._enqueue(item)
+            for clip, _ in batch:
+                self._emit(clip, {}, None, why)
+            return
+        except TaskFailed as err:
             if len(batch) > 1:
-                # Find the culprit: retry each clip alone (the frames are still in the object store).
+                # Find the culprit: retry each clip alone on the same replica (the frames are still in the
+                # object store, and the replica holds the clips' prefixes).
                 for item in reversed(batch):
                     item[0].solo = True
-                    decoded.appendleft(item)
+                    if e in self.alive:
+                        self.queues[e].appendleft(item)
+                    else:                # its replica died since: another one must take it
+                        self._enqueue(item)
                 return
-            clip, _ = batch[0]
-            why = str(err) if isinstance(err, TaskFailed) else f"engine process died ({err})"
-            self._emit(clip, {}, None, f"engine failed: {why}")
+            self._emit(batch[0][0], {}, None, f"engine failed: {err}")
             return
-        self.stats.engine_busy_s += result.engine_ms / 1000.0
+        busy = result.engine_ms / 1000.0
+        self.stats.engine_busy_s += busy
+        self.stats.engine_busy_s_by_replica[e] += busy
+        self.rates.answered(len(batch), busy)
+        self._engine_ms.extend([result.engine_ms / len(batch)] * len(batch))
         answers = {a.row_id: a for a in result.answers}
         for clip, _ in batch:
             self._emit(clip, answers, result.engine_ms, None)

@@ -106,6 +106,7 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
     from batchjob.pipeline.actors import make_decoders, make_engines
     from batchjob.pipeline.engines import resolve_engine
     from batchjob.pipeline.ray_runtime import start_ray, stop_ray
+    from batchjob.pipeline.resources import cpus_to_start, ray_resources, resolve_runtime
     from batchjob.pipeline.workers import RayWorkers
 
     out_dir, fingerprint = Path(cfg.output.directory), cfg.fingerprint()
@@ -118,19 +119,22 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
     loader, n, kw = cfg.loader.name, cfg.loader.num_frames, cfg.loader.kwargs
     clips = group_by_clip(rows, skip, loader, n, kw)
     rt = cfg.runtime
-    stats = RunStats(total_rows=len(rows), skipped_rows=sum(r.row_id in skip for r in rows),
-                     decoders=rt.decode_actors, engines=rt.engine_actors)
+    stats = RunStats(total_rows=len(rows), skipped_rows=sum(r.row_id in skip for r in rows))
     if on_start:
         on_start(stats)
     if not clips:
         return stats
-    started = start_ray(rt.ray_address, rt.decode_actors * rt.decode_cpus + rt.engine_actors * rt.engine_cpus)
+    started = start_ray(rt.ray_address, cpus_to_start(cfg))
     previous = _catch_sigterm()
     writer: PartWriter | None = None
+    decoders: list = []
+    engines: list = []
     try:
+        plan = resolve_runtime(cfg, ray_resources())     # `auto` becomes numbers from what Ray reports
+        stats.decoders, stats.engines, stats.engine_gpus = plan.decoders, plan.engines, plan.engine_gpus
         engine_cls = resolve_engine(cfg.model.engine)
-        engines = make_engines(rt.engine_actors, rt.engine_cpus, cfg.model, cfg.prompt)
-        decoders = make_decoders(rt.decode_actors, rt.decode_cpus, loader, n, kw,
+        engines = make_engines(plan.engines, plan.engine_cpus, cfg.model, cfg.prompt, plan.engine_gpus)
+        decoders = make_decoders(plan.decoders, plan.decode_cpus, loader, n, kw,
                                  engine_cls.input_preparer(cfg.model), engine_cls.hides_torch)
         try:
             described = ray.get([e.describe.remote() for e in engines])
@@ -161,6 +165,7 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
     finally:
         if writer is not None:
             writer.flush()   # finished rows are complete rows: keep them even when the run fails
+            stats.actor_peak_rss_mb = _actor_peak_rss(engines, decoders)
         if retry_errors:
             commit_retry(out_dir)
         stats.wall_s = time.perf_counter() - t0
@@ -169,3 +174,24 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return stats
+
+
+def _actor_peak_rss(engines: list, decoders: list) -> dict[str, list[float]]:
+    """Peak memory of each live actor process, for the run's statistics; best effort, never fails the run."""
+    import ray
+
+    out: dict[str, list[float]] = {}
+    try:
+        for name, actors in (("engines", engines), ("decoders", decoders)):
+            refs = [a.peak_rss_mb.remote() for a in actors]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5) if refs else ([], [])
+            values = []
+            for ref in ready:
+                try:
+                    values.append(round(float(ray.get(ref)), 1))
+                except ray.exceptions.RayError:    # a dead replica or decoder
+                    pass
+            out[name] = values
+    except Exception:   # Ray itself failing: the run's own error matters, not this figure
+        pass
+    return out

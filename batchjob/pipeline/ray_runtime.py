@@ -30,8 +30,11 @@ def start_ray(address: str | None, cpus_needed: float) -> bool:
     if address:
         ray.init(address=address, **quiet)
         return True
+    from batchjob.pipeline.resources import local_cpus
+
     # Enough logical CPUs for every actor we ask for, even on a 2-core laptop: the OS shares the cores.
-    num_cpus = max(os.cpu_count() or 1, math.ceil(cpus_needed))
+    # GPUs are left to Ray's own detection (it honours CUDA_VISIBLE_DEVICES), so engines can ask for them.
+    num_cpus = max(local_cpus(), math.ceil(cpus_needed))
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", **quiet)
     return True
 

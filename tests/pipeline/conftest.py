@@ -37,11 +37,15 @@ def frame_signature(num_frames: int, width: int) -> int:
 
 
 class DeterministicEngine(EngineBase):
-    """Test engine: answer = hash(row id); prompt_tokens encodes the frames' shape; optional delay."""
+    """Test engine: answer = hash(row id); prompt_tokens encodes the frames' shape; optional delay.
+    A question containing ENGINE_FAIL makes the batch raise; ENGINE_CRASH kills the engine's process."""
 
     def __init__(self, model, prompt):
         self.model_id = "deterministic-test"
         self.delay = float(os.environ.get("BATCHJOB_TEST_ENGINE_DELAY", "0"))
+        log_dir = os.environ.get("BATCHJOB_TEST_ENGINE_LOG")
+        if log_dir:   # which GPUs Ray gave this replica
+            Path(log_dir, f"engine-{os.getpid()}").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
 
     def answer(self, clips):
         from batchjob.contract import Answer
@@ -53,6 +57,8 @@ class DeterministicEngine(EngineBase):
             assert len(clip.metadata.frames_indices) == frames.shape[0]
             if any("ENGINE_FAIL" in q.text for q in questions):
                 raise RuntimeError(f"test engine refuses {clip.job.media_id}")
+            if any("ENGINE_CRASH" in q.text for q in questions):
+                os._exit(3)      # the replica's process dies, as on a GPU fault or the OOM killer
             time.sleep(self.delay)
             for q in questions:
                 c = expected_choice(q.row_id, len(q.options))

@@ -1,12 +1,15 @@
 """Crash safety: SIGKILL of the whole run at random instants, and of a decoder process mid-job."""
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -21,9 +24,11 @@ def start_run(h, cfg, delay: float) -> subprocess.Popen:
 
 
 def test_sigkill_at_random_points_then_resume(tmp_path, h, synthetic, isolated_network):
+    """Two engine replicas (on the CPU): whichever answered a row, every row ends up in the output once."""
     manifest, clips = synthetic
     rng = random.Random()
-    cfg = h.write_config(tmp_path / "job.yaml", manifest, output={"rows_per_part": 2, "flush_seconds": 0.5})
+    cfg = h.write_config(tmp_path / "job.yaml", manifest, output={"rows_per_part": 2, "flush_seconds": 0.5},
+                         runtime={"engine_actors": 2})
     out = tmp_path / "out"
     kills = []
     for point in range(3):
@@ -108,3 +113,61 @@ def test_sigterm_flushes_rows_and_stops_ray(tmp_path, h, synthetic, isolated_net
     for p in alive:                          # clean up before failing
         os.kill(p, signal.SIGKILL)
     assert not alive, f"Ray processes left running after SIGTERM: {alive}"
+
+
+def crash_dataset(tmp_path, manifest, clips) -> Path:
+    """The synthetic dataset with one more clip first in line whose question kills the engine replica."""
+    data = tmp_path / "data"
+    shutil.copytree(manifest.parent / "clips", data / "clips")
+    crash = {"id": "crash-0", "video": "crash.mp4", "question": "ENGINE_CRASH?", "options": ["x", "y"],
+             "answer": 0, "category": "crash"}
+    shutil.copy(data / "clips" / clips[0]["video"], data / "clips" / "crash.mp4")
+    records = [crash] + h_records(manifest)
+    (data / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return data / "manifest.jsonl"
+
+
+def h_records(manifest: Path) -> list[dict]:
+    return [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+
+
+def test_a_dead_engine_replica_costs_only_its_clips_and_the_job_goes_on(tmp_path, h, synthetic, isolated_network):
+    manifest, clips = synthetic
+    data = crash_dataset(tmp_path, manifest, clips)
+    cfg = h.write_config(tmp_path / "job.yaml", data, runtime={"engine_actors": 2, "max_error_fraction": 1.0})
+    res = h.run_cli("run", str(cfg), "--stats-json", str(tmp_path / "stats.json"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = h.read_rows(tmp_path / "out")
+    assert sorted(r["row_id"] for r in rows) == sorted(r["id"] for r in h_records(data)), "every row exactly once"
+    errors = {r["row_id"]: r["error"] for r in rows if r["error"]}
+    assert errors["crash-0"].startswith("engine replica ")
+    dead = int(errors["crash-0"].split()[2])
+    assert all(e.startswith(f"engine replica {dead} died: ") for e in errors.values()), errors
+    # only what that replica held: at most two batches of two clips (3 questions a clip, 1 for the crash clip)
+    assert len({r["video"] for r in rows if r["error"]}) <= 4
+    for r in rows:
+        if not r["error"]:
+            assert r["pred_index"] == h.expected_choice(r["row_id"], len(r["options"]))
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["engines"] == 2 and stats["dead_replicas"] == [dead] and stats["engine_gpus"] == 0
+    assert stats["engine_busy_by_replica"][1 - dead] > 0 and stats["bound_by"] in ("decode", "engine", "driver")
+
+
+def test_when_every_replica_died_the_run_stops_and_a_rerun_resumes(tmp_path, h, synthetic, isolated_network):
+    manifest, clips = synthetic
+    data = crash_dataset(tmp_path, manifest, clips)
+    cfg = h.write_config(tmp_path / "job.yaml", data, runtime={"engine_actors": 1, "max_error_fraction": 1.0})
+    first = h.run_cli("run", str(cfg), "--stats-json", str(tmp_path / "stats.json"))
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert "all 1 engine replica(s) died" in first.stderr and "rerun the same command" in first.stderr
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["dead_replicas"] == [0] and stats["error_rows"] == stats["done_rows"] > 0
+    rows = h.read_rows(tmp_path / "out")
+    errors = [r for r in rows if r["error"]]
+    assert any(r["row_id"] == "crash-0" for r in errors) and all("engine replica 0 died" in r["error"] for r in errors)
+    assert len(rows) < len(h_records(data)), "clips never sent to an engine must have no rows"
+    again = h.run_cli("run", str(cfg))                 # the crash clip has its error row: the rest completes
+    assert again.returncode == 0, again.stderr[-3000:]
+    final = h.read_rows(tmp_path / "out")
+    assert sorted(r["row_id"] for r in final) == sorted(r["id"] for r in h_records(data)), "every row exactly once"
+    assert [r["row_id"] for r in final if r["error"]] == [r["row_id"] for r in errors]
