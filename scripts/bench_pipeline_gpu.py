@@ -137,10 +137,20 @@ def job_clip_names(specs: list[ClipSpec], clips: int) -> list[tuple[str, ClipSpe
 
 # --- encoding -----------------------------------------------------------------------------------------------
 def _texture(h: int, w: int, rng: np.random.Generator) -> np.ndarray:
-    """Blocky structure plus fine grain: costs an encoder real bits, unlike flat synthetic colour."""
-    coarse = rng.integers(0, 160, (h // 8 + 1, w // 8 + 1), dtype=np.uint8)
-    big = np.repeat(np.repeat(coarse, 8, 0), 8, 1)[:h, :w]
-    return (big + 40 + rng.integers(0, 32, (h, w), dtype=np.uint8)).astype(np.uint8)
+    """Smooth shapes, edges and a little grain: costs an encoder real bits (keyframes of a few hundred kB at
+    1080p, like camera footage), unlike flat synthetic colour or pure noise."""
+    cell = 32
+    coarse = rng.integers(30, 200, (h // cell + 2, w // cell + 2)).astype(np.float32)
+    ys = np.arange(h, dtype=np.float32) / cell
+    xs = np.arange(w, dtype=np.float32) / cell
+    y0, x0 = ys.astype(int), xs.astype(int)
+    fy, fx = (ys - y0)[:, None], (xs - x0)[None, :]
+    top = coarse[y0][:, x0] * (1 - fx) + coarse[y0][:, x0 + 1] * fx
+    bottom = coarse[y0 + 1][:, x0] * (1 - fx) + coarse[y0 + 1][:, x0 + 1] * fx
+    smooth = top * (1 - fy) + bottom * fy
+    edges = (rng.integers(0, 2, (h // 16 + 1, w // 16 + 1)) * 40).repeat(16, 0).repeat(16, 1)[:h, :w]
+    grain = rng.integers(0, 6, (h, w))
+    return np.clip(smooth + edges + grain, 0, 255).astype(np.uint8)
 
 
 def _encoder(spec: ClipSpec) -> tuple[str, dict[str, str]]:
@@ -222,7 +232,7 @@ def build_clip(args: tuple[ClipSpec, str, float]) -> tuple[str, float]:
 
 
 def build_dataset(cache: Path, specs: list[ClipSpec], clips: int, questions: int, segment_s: float,
-                  workers: int, seed: int) -> tuple[Path, dict]:
+                  workers: int, seed: int, long_s: float) -> tuple[Path, dict]:
     """Encode the distinct clips in parallel, link the job's names, write the manifest; return its path and
     how long the build took."""
     import multiprocessing
@@ -258,7 +268,7 @@ def build_dataset(cache: Path, specs: list[ClipSpec], clips: int, questions: int
     sizes = [(folder / s.name).stat().st_size for s in dict.fromkeys(specs)]
     info = {"build_s": build_s, "encoded": len(todo), "distinct": len(set(specs)), "clips": clips,
             "rows": len(records), "encode_s": times, "bytes_total": int(sum(sizes)),
-            "long_clips": sum(1 for _, s in job_clip_names(specs, clips) if s.seconds >= 60),
+            "long_clips": sum(1 for _, s in job_clip_names(specs, clips) if s.seconds >= long_s),
             "hevc_clips": sum(1 for _, s in job_clip_names(specs, clips) if s.codec == "hevc")}
     return manifest, info
 
@@ -659,7 +669,8 @@ def main(argv=None) -> None:
           f"dtype {args.dtype}", flush=True)
     specs = plan_clips(args.distinct, long_fraction=args.long_fraction, hevc_fraction=args.hevc_fraction,
                        seed=args.seed, shape=shape)
-    manifest, data = build_dataset(args.cache, specs, args.clips, args.questions, args.segment_s, args.workers, args.seed)
+    manifest, data = build_dataset(args.cache, specs, args.clips, args.questions, args.segment_s, args.workers, args.seed,
+                                   shape.long_s)
     report["dataset"] = data
     print(f"dataset: {data['clips']} clips, {data['rows']} rows, {data['encoded']} encoded in {data['build_s']:.1f} s "
           f"({data['bytes_total'] / 2**20:.0f} MiB distinct)", flush=True)

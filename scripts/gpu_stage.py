@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / ".gpu" / "pipeline", help="folder for site.tar.xz")
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-stage"), help="scratch folder (wheels, site)")
     ap.add_argument("--keep-site", action="store_true", help="leave the slimmed site in <work>/site-<py>")
+    ap.add_argument("--site-only", action="store_true", help="stop after slimming (a local check of the site)")
     args = ap.parse_args()
     if not shutil.which("strip"):
         sys.exit("gpu_stage: `strip` (binutils) is needed to shrink the native libraries")
@@ -117,6 +118,10 @@ def main() -> None:
     before = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
     slim(site)
     after = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
+    if args.site_only:
+        print(f"{len(wheels)} wheels for {tag}: installed {before / 2**20:.0f} MiB, slimmed {after / 2**20:.0f} MiB "
+              f"in {site}")
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     archive = args.out / "site.tar.xz"
     tmp = archive.with_suffix(".tmp")

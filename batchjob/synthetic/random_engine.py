@@ -73,14 +73,14 @@ def build_random_model(config_dir: Path, dtype):
 def random_classifier(checkpoint: str | Path, config):
     """A `Classifier` over the random model described in `checkpoint/random/config.json`.
 
-    The tiny checkpoint is loaded first, so device, dtype, tokenizer and vision settings come from the
-    engine's own loading path; only the model (and the family built from the big config) are replaced.
+    The tiny checkpoint is loaded first, so device, dtype, tokenizer, vision settings and the model family
+    (prompts, positions, the packed vision forward: nothing there depends on the model's width or depth)
+    come from the engine's own loading path; only the model and its config are replaced.
     """
     from mlx.utils import tree_flatten
 
     from batchjob.engine import Classifier
     from batchjob.engine.checkpoint import load_checkpoint
-    from batchjob.engine.families import family_for
     from batchjob.engine.types import EngineError
 
     path = Path(checkpoint)
@@ -90,11 +90,12 @@ def random_classifier(checkpoint: str | Path, config):
                           "batchjob.synthetic.random_engine.write_random_config")
     tiny = load_checkpoint(path, config)
     big = json.loads((config_dir / "config.json").read_text())
-    family = family_for(big, path)
+    if big.get("model_type") != tiny.model_type:
+        raise EngineError(f"{config_dir / 'config.json'}: model_type {big.get('model_type')!r} differs from the "
+                          f"checkpoint's {tiny.model_type!r}")
     model = build_random_model(config_dir, tiny.dtype)
-    family.fix_model(model)
-    ckpt = dataclasses.replace(tiny, model=model, hf_config=big, family=family, video_token_id=family.video_token_id,
-                               model_id=f"random:{path.name}",
+    tiny.family.fix_model(model)
+    ckpt = dataclasses.replace(tiny, model=model, hf_config=big, model_id=f"random:{path.name}",
                                weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())))
     return Classifier(ckpt, config)
 
