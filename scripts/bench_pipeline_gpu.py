@@ -111,22 +111,25 @@ def is_long(index: int, long_fraction: float) -> bool:
 
 def plan_clips(count: int, *, long_fraction: float, hevc_fraction: float, seed: int,
                shape: Shape = Shape()) -> list[ClipSpec]:
-    """`count` clip specs, deterministic in `seed`; long clips and HEVC clips spread evenly (see is_long)."""
+    """`count` clip specs, deterministic in `seed`: long clips spread evenly over the plan (see is_long);
+    within each length class, HEVC clips spread evenly too and the sizes alternate."""
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
     for label, f in (("long_fraction", long_fraction), ("hevc_fraction", hevc_fraction)):
         if not 0 <= f <= 1:
             raise ValueError(f"{label} must be in [0, 1], got {f}")
     rng = np.random.default_rng(seed)
-    specs = []
+    specs, seen = [], {False: 0, True: 0}
     for i in range(count):
-        width, height = shape.sizes[i % len(shape.sizes)]
+        long = is_long(i, long_fraction)
+        k = seen[long]                  # sizes and codecs cycle within each length class, so neither
+        seen[long] += 1                 # follows the length (no "every long clip is 1080p HEVC")
+        width, height = shape.sizes[k % len(shape.sizes)]
         lo, hi = shape.gop_s
         gop = float(np.round(rng.uniform(lo, hi) * 2) / 2)       # half-second steps, as cameras set them
-        specs.append(ClipSpec(width=width, height=height,
-                              seconds=shape.long_s if is_long(i, long_fraction) else shape.short_s,
+        specs.append(ClipSpec(width=width, height=height, seconds=shape.long_s if long else shape.short_s,
                               fps=int(shape.fps[int(rng.integers(len(shape.fps)))]), gop_seconds=max(lo, gop),
-                              codec="hevc" if is_long(i, hevc_fraction) else "h264", seed=seed * 100_003 + i))
+                              codec="hevc" if is_long(k, hevc_fraction) else "h264", seed=seed * 100_003 + i))
     return specs
 
 
@@ -595,8 +598,8 @@ def save(report: dict, path: Path) -> None:
 # --- main ---------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clips", type=int, default=144, help="clips in the job")
-    ap.add_argument("--distinct", type=int, default=48, help="clips actually encoded (the rest are hard links)")
+    ap.add_argument("--clips", type=int, default=192, help="clips in the job")
+    ap.add_argument("--distinct", type=int, default=32, help="clips actually encoded (the rest are hard links)")
     ap.add_argument("--long-fraction", type=float, default=0.25, help="share of 600 s clips (the rest 30 s)")
     ap.add_argument("--hevc-fraction", type=float, default=0.25, help="share of HEVC clips (the rest H.264)")
     ap.add_argument("--questions", type=int, default=3, help="questions per clip")

@@ -36,7 +36,11 @@ def test_plan_spreads_long_and_hevc_clips_over_every_prefix(count, long_fraction
     assert len(specs) == count and len({s.name for s in specs}) == count
     for k in range(1, count + 1):   # the baseline runs a prefix: it must hold the job's mix
         assert sum(s.seconds == shape.long_s for s in specs[:k]) == math.floor(k * long_fraction + 1e-9)
-        assert sum(s.codec == "hevc" for s in specs[:k]) == math.floor(k * hevc_fraction + 1e-9)
+    for length in (shape.short_s, shape.long_s):   # codec and size spread within each length class
+        group = [s for s in specs if s.seconds == length]
+        for k in range(1, len(group) + 1):
+            assert sum(s.codec == "hevc" for s in group[:k]) == math.floor(k * hevc_fraction + 1e-9)
+        assert [s.height for s in group] == [shape.sizes[k % 2][1] for k in range(len(group))]
     for s in specs:
         assert (s.width, s.height) in shape.sizes and s.fps in shape.fps
         assert shape.gop_s[0] <= s.gop_seconds <= shape.gop_s[1] and (s.gop_seconds * 2) % 1 == 0
