@@ -54,7 +54,7 @@ import numpy as np
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 LOADERS = ("pyav_keyframes", "opencv", "pyav_adaptive")
-METHODS = LOADERS + ("baseline",)
+METHODS = ("pyav_keyframes", "opencv", "baseline", "pyav_adaptive")   # the headline figures first
 TARGETS = {"keyframes_vs_opencv": 2.0, "keyframes_vs_baseline": 3.0, "gpu_busy": 0.85, "overlap": 1.15,
            "cores_per_gpu": 2.0}
 
@@ -81,13 +81,20 @@ class ClipSpec:
         return max(1, round(self.gop_seconds * self.fps))
 
     @property
+    def gops(self) -> int:
+        """The clip is whole GOPs: `seconds` rounded to the nearest GOP (at most half a GOP off)."""
+        return max(1, round(self.seconds * self.fps / self.gop_frames))
+
+    @property
     def frames(self) -> int:
-        return round(self.seconds * self.fps)
+        return self.gops * self.gop_frames
+
+    def segment_gops(self, segment_s: float) -> int:
+        """GOPs encoded once: about `segment_s`, never more than the clip."""
+        return min(self.gops, max(1, math.ceil(segment_s / self.gop_seconds)))
 
     def segment_frames(self, segment_s: float) -> int:
-        """Frames encoded once: whole GOPs covering about `segment_s`, never more than the clip."""
-        gops = max(1, math.ceil(segment_s / self.gop_seconds))
-        return min(self.frames, gops * self.gop_frames)
+        return self.segment_gops(segment_s) * self.gop_frames
 
 
 @dataclass(frozen=True)
@@ -159,9 +166,12 @@ def _texture(h: int, w: int, rng: np.random.Generator) -> np.ndarray:
 def _encoder(spec: ClipSpec) -> tuple[str, dict[str, str]]:
     gop = spec.gop_frames
     common = f"keyint={gop}:min-keyint={gop}:scenecut=0:log-level=error"
-    if spec.codec == "h264":   # superfast keeps CABAC and B-frames (what cameras write); one thread per encoder
+    if spec.codec == "h264":   # superfast keeps CABAC and B-frames (what cameras write); one thread per encoder;
+        # x264's GOPs are closed unless asked otherwise
         return "libx264", {"preset": "superfast", "x264-params": f"{common}:bframes=2:threads=1"}
-    return "libx265", {"preset": "ultrafast", "x265-params": f"{common}:bframes=2:pools=1:frame-threads=1"}
+    # Closed GOPs (x265 defaults to open ones), so a repeat can end after any GOP.
+    return "libx265", {"preset": "ultrafast",
+                       "x265-params": f"{common}:bframes=2:open-gop=0:pools=1:frame-threads=1"}
 
 
 def encode_segment(spec: ClipSpec, path: Path, frames: int) -> None:
@@ -191,12 +201,13 @@ def encode_segment(spec: ClipSpec, path: Path, frames: int) -> None:
         out.mux(stream.encode(None))
 
 
-def repeat_segment(segment: Path, path: Path, frames: int, segment_frames: int) -> None:
-    """Remux the segment's packets again and again, timestamps shifted, until the clip has `frames` frames
-    (a whole number of segments; every segment starts with a keyframe, so each repeat decodes on its own)."""
+def repeat_segment(segment: Path, path: Path, gops: int, segment_gops: int, segment_frames: int) -> None:
+    """Remux the segment's packets again and again, timestamps shifted, until the clip has `gops` GOPs; the
+    last repeat stops before the keyframe that would start one GOP too many (GOPs are closed, so every GOP
+    decodes on its own)."""
     import av
 
-    repeats = max(1, round(frames / segment_frames))
+    repeats = math.ceil(gops / segment_gops)
     with av.open(str(segment)) as src:
         tb = src.streams.video[0].time_base
         seg_duration = None
@@ -208,7 +219,12 @@ def repeat_segment(segment: Path, path: Path, frames: int, segment_frames: int) 
                 if seg_duration is None:
                     per_frame = int(round(1 / (src.streams.video[0].average_rate * tb)))
                     seg_duration = per_frame * segment_frames
+                keep = min(segment_gops, gops - r * segment_gops)
+                keys = 0
                 for p in pkts:
+                    keys += bool(p.is_keyframe)
+                    if keys > keep:
+                        break
                     p.pts = p.pts + r * seg_duration
                     p.dts = p.dts + r * seg_duration
                     p.stream = ostream
@@ -228,7 +244,8 @@ def build_clip(args: tuple[ClipSpec, str, float]) -> tuple[str, float]:
     if seg_frames >= spec.frames:
         tmp.with_suffix(".seg.mp4").rename(final)
     else:
-        repeat_segment(tmp.with_suffix(".seg.mp4"), tmp.with_suffix(".mp4"), spec.frames, seg_frames)
+        repeat_segment(tmp.with_suffix(".seg.mp4"), tmp.with_suffix(".mp4"), spec.gops, spec.segment_gops(segment_s),
+                       seg_frames)
         tmp.with_suffix(".seg.mp4").unlink()
         tmp.with_suffix(".mp4").rename(final)
     return spec.name, time.perf_counter() - t0

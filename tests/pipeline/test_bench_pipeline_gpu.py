@@ -55,24 +55,27 @@ def test_plan_rejects_bad_fractions_and_counts():
         bench.plan_clips(0, long_fraction=0.5, hevc_fraction=0, seed=0)
 
 
-def test_segment_is_whole_gops_and_never_longer_than_the_clip():
+def test_clip_and_segment_are_whole_gops():
     s = bench.ClipSpec(1920, 1080, 600.0, 25, 3.5, "h264", 0)
-    assert s.gop_frames == 88 and s.frames == 15000
+    assert s.gop_frames == 88 and s.gops == 170 and s.frames == 170 * 88      # 14,960 frames: 598.4 s
     assert s.segment_frames(10.0) == 3 * 88                 # ceil(10 / 3.5) GOPs
     short = bench.ClipSpec(1280, 720, 2.0, 30, 4.0, "h264", 0)
-    assert short.segment_frames(10.0) == short.frames == 60
+    assert short.gops == 1 and short.segment_frames(10.0) == short.frames == 120
+    odd = bench.ClipSpec(1280, 720, 30.0, 24, 7.0, "h264", 0)          # 30 s = 4.3 GOPs of 7 s -> 4
+    assert odd.frames == 4 * 168 and odd.segment_gops(10.0) == 2
 
 
-@pytest.mark.parametrize("codec", ["h264", "hevc"])
-def test_repeated_segment_clip_decodes_every_frame_with_the_planned_keyframes(tmp_path, codec):
-    spec = bench.ClipSpec(96, 64, 6.0, 24, 1.0, codec, 3)   # 3 s segment repeated twice
+@pytest.mark.parametrize("codec,seconds,fps,expected", [("h264", 6.0, 24, 144), ("hevc", 6.0, 24, 144),
+                                                        ("h264", 5.0, 25, 125), ("hevc", 5.0, 30, 150)])
+def test_repeated_segment_clip_decodes_every_frame_with_the_planned_keyframes(tmp_path, codec, seconds, fps, expected):
+    spec = bench.ClipSpec(96, 64, seconds, fps, 1.0, codec, 3)   # 3 s segment: twice, or once and 2 GOPs of it
     name, _ = bench.build_clip((spec, str(tmp_path), 3.0))
     path = tmp_path / name
     with av.open(str(path)) as c:                             # reference: a full decode with PyAV
         stream = c.streams.video[0]
         frames = list(c.decode(stream))
     pts = [f.pts for f in frames]
-    assert len(frames) == spec.frames == 144
+    assert len(frames) == spec.frames == expected
     assert pts == sorted(pts) and len(set(pts)) == len(pts)
     step = pts[1] - pts[0]
     assert all(b - a == step for a, b in zip(pts, pts[1:])), "timestamps must continue across repeats"
@@ -80,7 +83,7 @@ def test_repeated_segment_clip_decodes_every_frame_with_the_planned_keyframes(tm
     assert keys[:1] == [0] and set(range(0, spec.frames, spec.gop_frames)) <= set(keys)
     assert frames[0].width == 96 and frames[0].height == 64
     # Repeats are the same pictures: frame i and i + segment decode alike; neighbours differ (the picture pans).
-    a, b, c2 = (frames[i].to_ndarray(format="gray").astype(int) for i in (5, 5 + 72, 6))
+    a, b, c2 = (frames[i].to_ndarray(format="gray").astype(int) for i in (5, 5 + 3 * fps, 6))
     assert np.abs(a - b).mean() < 2 < np.abs(a - c2).mean()
     assert bench.build_clip((spec, str(tmp_path), 3.0)) == (name, 0.0)   # cached
 
