@@ -436,17 +436,19 @@ def run_loader(args, model: Path, manifest: Path, loader: str, work: Path, job_c
 
 
 def summarize_run(stats: dict, wall_s: float, job_clips: int | None = None) -> dict:
-    """One `batchjob run`'s figures from its --stats-json; keys the pipeline adds later are read if present."""
+    """One `batchjob run`'s figures from its --stats-json; keys the pipeline adds later are read if present.
+
+    Per-clip costs are means (busy time / clips): that is what sets throughput and the cores a GPU needs on
+    a mixed job; the pipeline's own per-clip figures are medians and are kept beside them."""
     done, stream = stats.get("done_rows", 0), stats.get("stream_s") or float("nan")
-    clips = stats.get("done_clips") or stats.get("clips") or job_clips
+    clips = stats.get("done_clips") or job_clips
     engines = stats.get("engines") or 1
-    decode_ms = stats.get("decode_ms_per_clip")
-    engine_ms = stats.get("engine_ms_per_clip")
+    decode_ms = engine_ms = None
     if clips:
-        if decode_ms is None and stats.get("decode_busy_s") is not None:
-            decode_ms = stats["decode_busy_s"] * 1000 / clips
-        if engine_ms is None and stats.get("engine_busy_s") is not None:
-            engine_ms = stats["engine_busy_s"] * 1000 / clips   # one GPU's time per clip
+        if stats.get("decode_busy_s") is not None:
+            decode_ms = stats["decode_busy_s"] * 1000 / clips      # decode + input preparation, all decoders
+        if stats.get("engine_busy_s") is not None:
+            engine_ms = stats["engine_busy_s"] * 1000 / clips      # one GPU's time per clip
     gpu_busy = stats.get("gpu_busy")
     if gpu_busy is None and stats.get("engine_busy_s") is not None and stream == stream and stream > 0:
         gpu_busy = stats["engine_busy_s"] / engines / stream      # the engine's busy share of the streaming phase
@@ -457,6 +459,8 @@ def summarize_run(stats: dict, wall_s: float, job_clips: int | None = None) -> d
         "startup_s": wall_s - stream if stream == stream else None,
         "gpu_busy": gpu_busy, "overlap": stats.get("overlap_efficiency"),
         "decode_ms_per_clip": decode_ms, "engine_ms_per_clip": engine_ms,
+        "decode_ms_per_clip_median": stats.get("decode_ms_per_clip"),
+        "engine_ms_per_clip_median": stats.get("engine_ms_per_clip"),
         "cores_per_gpu": cores_per_gpu(decode_ms, engine_ms),
         "bound_by": stats.get("bound_by"), "queue_depth": stats.get("queue_depth"),
         "peak_rss_mb": stats.get("peak_rss_mb"), "decoders": stats.get("decoders"), "engines": stats.get("engines"),
@@ -644,6 +648,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     / "bench-gpu")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--smoke", action="store_true", help="tiny clips and model on any device: checks the script")
+    ap.add_argument("--tiny-model", action="store_true", help="real-sized clips, tiny model (a CPU check of the "
+                    "clip sizes the GPU run uses)")
     ap.add_argument("--baseline-worker", nargs=3, metavar=("MODEL", "MANIFEST", "CLIPS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cores = os.cpu_count() or 2
@@ -653,11 +659,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.frames_in_flight = 2 * args.decoders + args.clips_per_batch
     if args.workers is None:
         args.workers = cores
-    if args.smoke:
+    if args.smoke or args.tiny_model:
         args.layers, args.vision_layers = min(args.layers, 2), min(args.vision_layers, 4)
         args.max_pixels = min(args.max_pixels, 28 * 28 * 16)
-        args.segment_s = min(args.segment_s, 3.0)
         args.memory_budget_gb = args.memory_budget_gb or 2.0
+    if args.smoke:
+        args.segment_s = min(args.segment_s, 3.0)
     if args.device == "auto" and not args.smoke and shutil.which("nvidia-smi"):
         args.device = "gpu"
     if args.dtype == "auto" and args.device == "gpu":
@@ -678,9 +685,10 @@ def main(argv=None) -> None:
         return baseline_worker(model, manifest, int(clips), args)
     from batchjob.synthetic.random_engine import QWEN25_VL_7B, SMOKE
 
-    shape, dims = (SMOKE_SHAPE, SMOKE) if args.smoke else (Shape(), QWEN25_VL_7B)
+    shape = SMOKE_SHAPE if args.smoke else Shape()
+    dims = SMOKE if args.smoke or args.tiny_model else QWEN25_VL_7B
     env = environment()
-    path = results_path(args.out, env, args.smoke)
+    path = results_path(args.out, env, args.smoke or args.tiny_model)
     report: dict = {"environment": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                     "methods": {}, "complete": False}
     print(f"# {env['gpu']}, {env['cpus']} CPUs; {args.clips} clips ({args.distinct} encoded, "
