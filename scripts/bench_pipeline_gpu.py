@@ -561,11 +561,11 @@ def table(methods: dict) -> str:
     base = methods.get("baseline", {})
     opencv = methods.get("opencv", {})
     head = ("| method | rows/s | streaming rows/s | vs opencv | vs baseline | GPU busy | overlap | decode ms/clip "
-            "| cores/GPU | peak host MB | GPU util |")
-    lines = [head, "|" + "|".join(["---"] * 11) + "|"]
+            "| cores/GPU | peak host MB | GPU util | bound by |")
+    lines = [head, "|" + "|".join(["---"] * 12) + "|"]
     for m, r in methods.items():
         if "error" in r:
-            lines.append(f"| {m} | failed: {r['error']} |" + " |" * 9)
+            lines.append(f"| {m} | failed: {r['error']} |" + " |" * 10)
             continue
         vs_cv = r["rows_per_s"] / opencv["rows_per_s"] if opencv.get("rows_per_s") else None
         vs_base = r["rows_per_s"] / base["rows_per_s"] if base.get("rows_per_s") and "error" not in base else None
@@ -573,7 +573,7 @@ def table(methods: dict) -> str:
                      f"{_fmt(vs_cv)}x | {_fmt(vs_base)}x | {_fmt(r.get('gpu_busy'), '.0%')} | "
                      f"{_fmt(r.get('overlap'))} | {_fmt(r.get('decode_ms_per_clip'), '.0f')} | "
                      f"{_fmt(r.get('cores_per_gpu'), '.1f')} | {_fmt(r.get('peak_host_mb_sampled'), '.0f')} | "
-                     f"{_fmt(r.get('gpu_util_mean'), '.0%')} |")
+                     f"{_fmt(r.get('gpu_util_mean'), '.0%')} | {r.get('bound_by') or '-'} |")
     checks = []
     for key, target in TARGETS.items():
         v = fig[key] if not isinstance(fig[key], dict) else fig[key].get("pyav_keyframes")
