@@ -595,9 +595,11 @@ def environment() -> dict:
         info.update(gpu=name, driver=driver, gpu_memory=memory, gpus=len(out.splitlines()))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         info.update(gpu="cpu", gpus=0)
-    for mod in ("av", "ray", "mlx", "cv2"):
+    import importlib
+
+    for mod in ("av", "ray", "mlx.core", "cv2"):
         try:
-            info[mod] = __import__(mod).__version__
+            info[mod.split(".")[0]] = importlib.import_module(mod).__version__
         except Exception as exc:      # report, don't fail: the runs say what breaks
             info[mod] = f"missing ({type(exc).__name__})"
     return info
