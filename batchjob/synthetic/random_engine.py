@@ -1,0 +1,108 @@
+"""The MLX engine with a model built in process from random weights in a real model's shape.
+
+A pipeline benchmark at 7B scale needs the 7B model's compute, not its answers, and no 15 GB checkpoint
+can be downloaded or quickly written where it runs. So the checkpoint directory is a tiny random
+checkpoint (tokenizer, processor settings: what `load_checkpoint` and the decoders' input preparation
+read) plus `random/config.json`, the Hugging Face config of the model to build in its place. Select it in
+a job config with `model.engine: batchjob.synthetic.random_engine:RandomWeightsEngine`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from batchjob.config import ModelConfig, PromptConfig
+from batchjob.pipeline.mlx_engine import MlxEngine, engine_config
+
+RANDOM_DIR = "random"   # <checkpoint>/random/config.json: the shape to build
+
+# Qwen2.5-VL-7B-Instruct's published shape.
+QWEN25_VL_7B = dict(hidden=3584, layers=28, heads=28, kv_heads=4, inter=18944, v_depth=32, v_hidden=1280,
+                    v_heads=16, v_inter=3420, fullatt=(7, 15, 23, 31))
+# The same code path on a CPU in seconds (figures from it mean nothing).
+SMOKE = dict(hidden=256, layers=2, heads=4, kv_heads=2, inter=512, v_depth=4, v_hidden=128, v_heads=2,
+             v_inter=256, fullatt=(1, 3))
+
+
+def scaled_config(tiny_config: dict, dims: dict, layers: int, vision_layers: int) -> dict:
+    """The tiny checkpoint's config reshaped to `dims`, cut to `layers` text and `vision_layers` vision blocks
+    (token ids, vocabulary and processor settings stay the tiny tokenizer's)."""
+    if not 1 <= layers or not 1 <= vision_layers:
+        raise ValueError(f"layers ({layers}) and vision_layers ({vision_layers}) must be >= 1")
+    cfg = json.loads(json.dumps(tiny_config))
+    head_dim = dims["hidden"] // dims["heads"]
+    half = head_dim // 2
+    third = half * 3 // 8
+    cfg.update(hidden_size=dims["hidden"], num_hidden_layers=layers, num_attention_heads=dims["heads"],
+               num_key_value_heads=dims["kv_heads"], intermediate_size=dims["inter"], max_window_layers=layers,
+               torch_dtype="bfloat16", initializer_range=0.02)
+    cfg["rope_scaling"] = {"type": "mrope", "mrope_section": [half - 2 * third, third, third]}
+    cfg["vision_config"].update(depth=vision_layers, hidden_size=dims["v_hidden"], num_heads=dims["v_heads"],
+                                intermediate_size=dims["v_inter"], out_hidden_size=dims["hidden"],
+                                fullatt_block_indexes=[i for i in dims["fullatt"] if i < vision_layers],
+                                initializer_range=0.02)
+    return cfg
+
+
+def write_random_config(checkpoint: str | Path, config: dict) -> Path:
+    """Put the shape to build beside a tiny checkpoint (`checkpoint/random/config.json`)."""
+    out = Path(checkpoint) / RANDOM_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def build_random_model(config_dir: Path, dtype):
+    """mlx-vlm's model for `config_dir/config.json`, random weights materialized in `dtype`."""
+    import mlx.core as mx
+    from mlx_vlm.utils import get_model_and_args, load_config, update_module_configs
+
+    config = load_config(config_dir)
+    model_class, _ = get_model_and_args(config=config, model_path=config_dir)
+    config.setdefault("text_config", {})
+    config.setdefault("vision_config", {})
+    model_config = update_module_configs(model_class.ModelConfig.from_dict(config), model_class, config,
+                                         ["text", "vision"])
+    model = model_class.Model(model_config)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def random_classifier(checkpoint: str | Path, config):
+    """A `Classifier` over the random model described in `checkpoint/random/config.json`.
+
+    The tiny checkpoint is loaded first, so device, dtype, tokenizer, vision settings and the model family
+    (prompts, positions, the packed vision forward: nothing there depends on the model's width or depth)
+    come from the engine's own loading path; only the model and its config are replaced.
+    """
+    from mlx.utils import tree_flatten
+
+    from batchjob.engine import Classifier
+    from batchjob.engine.checkpoint import load_checkpoint
+    from batchjob.engine.types import EngineError
+
+    path = Path(checkpoint)
+    config_dir = path / RANDOM_DIR
+    if not (config_dir / "config.json").is_file():
+        raise EngineError(f"{path}: no {RANDOM_DIR}/config.json; write one with "
+                          "batchjob.synthetic.random_engine.write_random_config")
+    tiny = load_checkpoint(path, config)
+    big = json.loads((config_dir / "config.json").read_text())
+    if big.get("model_type") != tiny.model_type:
+        raise EngineError(f"{config_dir / 'config.json'}: model_type {big.get('model_type')!r} differs from the "
+                          f"checkpoint's {tiny.model_type!r}")
+    model = build_random_model(config_dir, tiny.dtype)
+    tiny.family.fix_model(model)
+    ckpt = dataclasses.replace(tiny, model=model, hf_config=big, model_id=f"random:{path.name}",
+                               weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())))
+    return Classifier(ckpt, config)
+
+
+class RandomWeightsEngine(MlxEngine):
+    """`MlxEngine` whose `load` builds the random model in the engine actor (decoders prepare inputs alike)."""
+
+    @classmethod
+    def load(cls, model: ModelConfig, prompt: PromptConfig) -> "RandomWeightsEngine":
+        return cls(random_classifier(model.checkpoint, engine_config(model, prompt)), model)

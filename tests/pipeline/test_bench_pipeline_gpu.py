@@ -1,0 +1,206 @@
+"""scripts/bench_pipeline_gpu.py: its clip plan, its clips, its figures, its random 7B-shaped engine, and the
+whole script in --smoke mode (it runs on the GPU machine once, so it must work the first time)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_script():
+    # Importable by name (sys.path), so the script's spawned encoding workers can unpickle its functions.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_pipeline_gpu", ROOT / "scripts" / "bench_pipeline_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_pipeline_gpu"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_script()
+
+
+@pytest.mark.parametrize("count,long_fraction,hevc_fraction,seed", [(48, 0.25, 0.25, 0), (37, 0.3, 0.1, 5),
+                                                                     (10, 0.0, 1.0, 1), (7, 1.0, 0.0, 2)])
+def test_plan_spreads_long_and_hevc_clips_over_every_prefix(count, long_fraction, hevc_fraction, seed):
+    specs = bench.plan_clips(count, long_fraction=long_fraction, hevc_fraction=hevc_fraction, seed=seed)
+    shape = bench.Shape()
+    assert len(specs) == count and len({s.name for s in specs}) == count
+    for k in range(1, count + 1):   # the baseline runs a prefix: it must hold the job's mix
+        assert sum(s.seconds == shape.long_s for s in specs[:k]) == math.floor(k * long_fraction + 1e-9)
+    for length in (shape.short_s, shape.long_s):   # codec and size spread within each length class
+        group = [s for s in specs if s.seconds == length]
+        for k in range(1, len(group) + 1):
+            assert sum(s.codec == "hevc" for s in group[:k]) == math.floor(k * hevc_fraction + 1e-9)
+        assert [s.height for s in group] == [shape.sizes[k % 2][1] for k in range(len(group))]
+    for s in specs:
+        assert (s.width, s.height) in shape.sizes and s.fps in shape.fps
+        assert shape.gop_s[0] <= s.gop_seconds <= shape.gop_s[1] and (s.gop_seconds * 2) % 1 == 0
+        assert s.seconds in (shape.short_s, shape.long_s)
+    assert specs == bench.plan_clips(count, long_fraction=long_fraction, hevc_fraction=hevc_fraction, seed=seed)
+
+
+def test_plan_rejects_bad_fractions_and_counts():
+    with pytest.raises(ValueError, match="long_fraction"):
+        bench.plan_clips(4, long_fraction=1.5, hevc_fraction=0, seed=0)
+    with pytest.raises(ValueError, match="count"):
+        bench.plan_clips(0, long_fraction=0.5, hevc_fraction=0, seed=0)
+
+
+def test_clip_and_segment_are_whole_gops():
+    s = bench.ClipSpec(1920, 1080, 600.0, 25, 3.5, "h264", 0)
+    assert s.gop_frames == 88 and s.gops == 170 and s.frames == 170 * 88      # 14,960 frames: 598.4 s
+    assert s.segment_frames(10.0) == 3 * 88                 # ceil(10 / 3.5) GOPs
+    short = bench.ClipSpec(1280, 720, 2.0, 30, 4.0, "h264", 0)
+    assert short.gops == 1 and short.segment_frames(10.0) == short.frames == 120
+    odd = bench.ClipSpec(1280, 720, 30.0, 24, 7.0, "h264", 0)          # 30 s = 4.3 GOPs of 7 s -> 4
+    assert odd.frames == 4 * 168 and odd.segment_gops(10.0) == 2
+
+
+@pytest.mark.parametrize("codec,seconds,fps,expected", [("h264", 6.0, 24, 144), ("hevc", 6.0, 24, 144),
+                                                        ("h264", 5.0, 25, 125), ("hevc", 5.0, 30, 150)])
+def test_repeated_segment_clip_decodes_every_frame_with_the_planned_keyframes(tmp_path, codec, seconds, fps, expected):
+    spec = bench.ClipSpec(96, 64, seconds, fps, 1.0, codec, 3)   # 3 s segment: twice, or once and 2 GOPs of it
+    name, _ = bench.build_clip((spec, str(tmp_path), 3.0))
+    path = tmp_path / name
+    with av.open(str(path)) as c:                             # reference: a full decode with PyAV
+        stream = c.streams.video[0]
+        frames = list(c.decode(stream))
+    pts = [f.pts for f in frames]
+    assert len(frames) == spec.frames == expected
+    assert pts == sorted(pts) and len(set(pts)) == len(pts)
+    step = pts[1] - pts[0]
+    assert all(b - a == step for a, b in zip(pts, pts[1:])), "timestamps must continue across repeats"
+    keys = [i for i, f in enumerate(frames) if f.key_frame]
+    assert keys[:1] == [0] and set(range(0, spec.frames, spec.gop_frames)) <= set(keys)
+    assert frames[0].width == 96 and frames[0].height == 64
+    # Repeats are the same pictures: frame i and i + segment decode alike; neighbours differ (the picture pans).
+    a, b, c2 = (frames[i].to_ndarray(format="gray").astype(int) for i in (5, 5 + 3 * fps, 6))
+    assert np.abs(a - b).mean() < 2 < np.abs(a - c2).mean()
+    assert bench.build_clip((spec, str(tmp_path), 3.0)) == (name, 0.0)   # cached
+
+
+MAIN_STATS = {"total_rows": 30, "skipped_rows": 0, "done_rows": 30, "error_rows": 0, "wall_s": 20.0,
+              "stream_s": 10.0, "decode_busy_s": 16.0, "engine_busy_s": 8.0, "decoders": 4, "engines": 1,
+              "rows_per_s": 1.5, "overlap_efficiency": 1.25}
+
+
+def test_summary_of_a_run_from_todays_stats_keys():
+    got = bench.summarize_run(MAIN_STATS, wall_s=25.0, job_clips=10)
+    assert got["rows_per_s"] == pytest.approx(30 / 25) and got["rows_per_s_streaming"] == pytest.approx(3.0)
+    assert got["startup_s"] == pytest.approx(15.0)
+    assert got["gpu_busy"] == pytest.approx(0.8)               # engine busy over the streaming phase
+    assert got["decode_ms_per_clip"] == pytest.approx(1600) and got["engine_ms_per_clip"] == pytest.approx(800)
+    assert got["cores_per_gpu"] == pytest.approx(2.0)          # 1600 ms x 1.25 clips/s / 1000
+    assert got["overlap"] == 1.25 and got["bound_by"] is None
+
+
+def test_summary_reads_the_pipelines_new_figures_but_costs_clips_by_their_mean():
+    stats = {**MAIN_STATS, "gpu_busy": 0.93, "decode_ms_per_clip": 120.0, "engine_ms_per_clip": 400.0,
+             "bound_by": "engine", "engines": 2, "peak_rss_mb": 5000.0, "queue_depth": {"min": 0, "median": 3, "max": 6}}
+    got = bench.summarize_run(stats, wall_s=25.0, job_clips=10)
+    assert got["gpu_busy"] == 0.93 and got["bound_by"] == "engine"
+    assert got["peak_rss_mb"] == 5000.0 and got["queue_depth"]["max"] == 6
+    # Medians (the pipeline's) are reported; throughput needs means: a few long clips dominate the decode cost.
+    assert got["decode_ms_per_clip_median"] == 120.0 and got["decode_ms_per_clip"] == pytest.approx(1600)
+    assert got["cores_per_gpu"] == pytest.approx(2.0)
+
+
+def test_figures_have_stable_keys_and_ratios_and_survive_a_failed_method():
+    def run(rps, busy):
+        return {"rows_per_s": rps, "rows_per_s_streaming": rps * 2, "gpu_busy": busy, "overlap": 1.1,
+                "cores_per_gpu": 1.5, "decode_ms_per_clip": 100.0, "peak_host_mb_sampled": 900.0, "gpu_util_mean": None}
+    methods = {"pyav_keyframes": run(6.0, 0.9), "opencv": run(2.0, 0.3), "pyav_adaptive": {"error": "exit 1"},
+               "baseline": run(1.5, 0.2)}
+    fig = bench.figures(methods)
+    for key in ("keyframes_vs_opencv", "keyframes_vs_baseline", "gpu_busy", "overlap", "rows_per_s", "cores_per_gpu"):
+        assert key in fig
+    assert fig["keyframes_vs_opencv"] == pytest.approx(3.0) and fig["keyframes_vs_baseline"] == pytest.approx(4.0)
+    assert fig["adaptive_vs_opencv"] is None and fig["rows_per_s"]["pyav_adaptive"] is None
+    assert fig["gpu_busy"] == {"pyav_keyframes": 0.9, "opencv": 0.3, "pyav_adaptive": None, "baseline": 0.2}
+    text = bench.table(methods)
+    assert "| pyav_adaptive | failed: exit 1 |" in text and "3.00x" in text
+    assert "keyframes_vs_opencv (keyframes) 3.00: meets >= 2" in text
+    assert "gpu_busy (keyframes) 0.90: meets >= 0.85" in text
+
+
+def test_gpu_settings_follow_the_device():
+    args = bench.parse_args(["--device", "gpu"])
+    assert args.dtype == "bfloat16" and args.memory_budget_gb == 60.0
+    cpu = bench.parse_args(["--device", "cpu", "--decoders", "3"])
+    assert cpu.dtype == "auto" and cpu.frames_in_flight == 2 * 3 + cpu.clips_per_batch
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--methods", "pyav_keyframes,ffmpeg"])
+
+
+def test_job_config_is_valid_for_batchjob(tmp_path):
+    from batchjob.config import parse_config
+
+    args = bench.parse_args(["--device", "cpu", "--smoke"])
+    cfg = bench.job_config(args, tmp_path / "model", tmp_path / "m.jsonl", "opencv", tmp_path / "out")
+    job = parse_config(cfg, tmp_path / "bench.yaml")
+    assert job.model.engine == bench.ENGINE and job.loader.name == "opencv" and job.runtime.decode_actors == args.decoders
+
+
+def test_random_engine_builds_the_configured_shape_and_answers(tmp_path):
+    from mlx.utils import tree_flatten
+
+    from batchjob.contract import ClipMetadata, ClipJob, EngineClip, Question
+    from batchjob.config import ModelConfig, PromptConfig
+    from batchjob.synthetic.random_engine import SMOKE, RandomWeightsEngine
+
+    path = bench.ensure_model(tmp_path, SMOKE, layers=3, vision_layers=2, max_pixels=28 * 28 * 16)
+    model_cfg = ModelConfig(checkpoint=str(path), engine=bench.ENGINE, device="cpu", dtype="float32")
+    engine = RandomWeightsEngine.load(model_cfg, PromptConfig())
+    params = dict(tree_flatten(engine._clf.checkpoint.model.parameters()))
+    layers = {k.split(".")[3] for k in params if k.startswith("language_model.model.layers.")}
+    blocks = {k.split(".")[2] for k in params if k.startswith("vision_tower.blocks.")}
+    assert len(layers) == 3 and len(blocks) == 2
+    h, inter = SMOKE["hidden"], SMOKE["inter"]
+    assert params["language_model.model.layers.0.mlp.gate_proj.weight"].shape == (inter, h)
+    kv = SMOKE["kv_heads"] * h // SMOKE["heads"]
+    [k_proj] = [v for k, v in params.items() if k.startswith("language_model.model.layers.0.")
+                and k.endswith("k_proj.weight")]    # (the engine wraps the attention module)
+    assert k_proj.shape == (kv, h)
+    # Decoder-side preparation, then the engine: every question gets a distribution over its options.
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (4, 112, 112, 3), dtype=np.uint8)
+    meta = ClipMetadata.from_loader({"total_num_frames": 40, "fps": 10.0, "duration": 4.0, "video_backend": "test",
+                                     "frames_indices": [0, 10, 20, 30], "do_sample_frames": False})
+    preparer = RandomWeightsEngine.input_preparer(model_cfg)
+    payload = preparer(frames, meta)
+    job = ClipJob("v.mp4", "v.mp4#0", (Question("r0", "What?", ("a", "b", "c")), Question("r1", "Why?", ("x", "y"))))
+    answers = engine.answer([EngineClip(job, meta, payload)])
+    assert [a.row_id for a in answers] == ["r0", "r1"] and all(a.error is None for a in answers)
+    assert [len(a.probs) for a in answers] == [3, 2] and all(abs(sum(a.probs) - 1) < 1e-5 for a in answers)
+    assert engine.describe().model_id.startswith("random:")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_smoke_run_end_to_end(tmp_path):
+    """The whole script as the GPU run calls it, tiny: every method runs and the results file has figures."""
+    out = tmp_path / "out"
+    bench.main(["--smoke", "--device", "cpu", "--clips", "3", "--distinct", "3", "--long-fraction", "0.5",
+                "--hevc-fraction", "0.5", "--questions", "2", "--decoders", "1", "--baseline-clips", "2",
+                "--workers", "2", "--cache", str(tmp_path / "cache"), "--out", str(out), "--run-timeout-s", "300"])
+    [path] = out.glob("pipeline-*-smoke.json")
+    report = json.loads(path.read_text())
+    assert report["complete"] is True
+    assert set(report["methods"]) == {"pyav_keyframes", "opencv", "pyav_adaptive", "baseline"}
+    for name, method in report["methods"].items():
+        assert "error" not in method, (name, method.get("output_tail"))
+        assert method["rows_per_s"] > 0
+    assert report["methods"]["pyav_keyframes"]["rows"] == 6 and report["methods"]["baseline"]["rows"] == 4
+    fig = report["figures"]
+    assert fig["keyframes_vs_opencv"] > 0 and fig["cores_per_gpu"]["pyav_keyframes"] > 0
+    # The plan: short H.264, long H.264, short HEVC (HEVC spreads within each length class).
+    assert report["dataset"]["long_clips"] == 1 and report["dataset"]["hevc_clips"] == 1
