@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from batchjob.metal_backend import AttentionMetadata, KVCache, write_kv
 
-AttentionFn = Callable[[mx.array, mx.array, mx.array, AttentionMetadata, float], mx.array]
+AttentionFn = Callable[..., mx.array]  # (q, k_cache, v_cache, meta, scale, *, new_kv=None) -> [T, Hq, D]
 
 
 @dataclass
@@ -80,7 +80,8 @@ class PagedAttention(nn.Module):
         k = k[0].transpose(1, 0, 2)
         cache, layer = ctx.kv_cache, self.layer_index
         cache.k[layer], cache.v[layer] = write_kv(cache.k[layer], cache.v[layer], k, v, ctx.meta)
-        out = ctx.attention(q, cache.k[layer], cache.v[layer], ctx.meta, inner.scale)
+        # The new K/V go along: sequences with nothing cached attend to them directly (no gather from the cache).
+        out = ctx.attention(q, cache.k[layer], cache.v[layer], ctx.meta, inner.scale, new_kv=(k, v))
         return inner.o_proj(out.reshape(1, num_tokens, -1))
 
 
