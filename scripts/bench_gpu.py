@@ -207,7 +207,14 @@ def timed(fn, repeats: int):
 
 
 # --- attention-only cases --------------------------------------------------------------------------------
-def attention_cases(dtype, kernel, repeats: int, small: bool = False) -> dict:
+def attention_cases(dtype, kernel, repeats: int, small: bool = False, engine_attention=None) -> dict:
+    """One layer's attention on three batches. Rows: `sdpa_per_sequence_ms` (the portable path as it was before
+    grouping: one SDPA per sequence, 512-row chunks, K/V gathered from the cache), `paged_kernel_ms` (our CUDA
+    kernel), `engine_attention_ms` (the function the engine chose at start, called as a layer calls it, new K/V
+    included, its plan built inside every timed call as in a one-layer forward), `engine_attention_planned_ms`
+    (the same with the plan already built, as in layers 2..N of a forward), `engine_attention_first_call_ms`
+    (its very first call on these shapes: plan, compilation, cuDNN graph build), and `sdpa_padded_ms` (one SDPA
+    over the batch padded to its longest query and context)."""
     import mlx.core as mx
 
     from batchjob.metal_backend import paged_attention
@@ -235,12 +242,36 @@ def attention_cases(dtype, kernel, repeats: int, small: bool = False) -> dict:
             return median(ts) * 1e3
 
         row = {"flops": flops}
-        row["sdpa_per_sequence_ms"] = bench(lambda: paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale))
+        row["sdpa_per_sequence_ms"] = bench(lambda: paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale,
+                                                                    group_rows=1))
         if kernel is not None:
             try:
                 row["paged_kernel_ms"] = bench(lambda: kernel(b.q, b.k_cache, b.v_cache, b.meta, scale))
             except Exception as exc:
                 row["paged_kernel_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if engine_attention is not None:
+            _, _, hkv, d = b.k_cache.shape  # the layer's new K/V, as the engine passes them: the rows just written
+            new_kv = tuple(c.reshape(-1, hkv, d)[b.meta.slot_mapping] for c in (b.k_cache, b.v_cache))
+            mx.eval(new_kv)
+
+            def engine(replan: bool):
+                if replan:
+                    b.meta.plan_cache.clear()
+                return engine_attention(b.q, b.k_cache, b.v_cache, b.meta, scale, new_kv=new_kv)
+
+            try:
+                b.meta.plan_cache.clear()
+                t0 = time.perf_counter()
+                mx.eval(engine(True))
+                row["engine_attention_first_call_ms"] = (time.perf_counter() - t0) * 1e3
+                row["engine_attention_ms"] = bench(lambda: engine(True))
+                row["engine_attention_planned_ms"] = bench(lambda: engine(False))
+                plan = [v for k, v in b.meta.plan_cache.items() if k[0] == "attention_plan" and len(k) == 4]
+                if plan:
+                    row["engine_attention_sdpa_calls"] = plan[0].num_calls
+            except Exception as exc:
+                row["engine_attention_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            del new_kv
         # Padded SDPA: every sequence padded to the longest query and context (what a padded batch pays).
         lq, lc = max(q_lens), max(q + c for q, c in zip(q_lens, cached))
         qp = mx.random.normal((len(q_lens), 28, lq, 128)).astype(dtype)
@@ -251,7 +282,7 @@ def attention_cases(dtype, kernel, repeats: int, small: bool = False) -> dict:
                                                                                        mask="causal"))
         except Exception as exc:
             row["sdpa_padded_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        best = min(v for k, v in row.items() if k.endswith("_ms") and k != "sdpa_padded_ms")
+        best = min(row[k] for k in ("sdpa_per_sequence_ms", "paged_kernel_ms", "engine_attention_ms") if k in row)
         row["best_paged_ms"] = best
         row["best_tflops"] = flops / best / 1e9
         out[name] = row
@@ -514,7 +545,8 @@ def main() -> None:
             from batchjob.metal_backend.kernels.cuda import cuda_paged_attention as kernel
         except Exception:
             kernel = None
-    report["attention"] = attention_cases(mx.bfloat16, kernel, args.repeats, small=args.smoke)
+    report["attention"] = attention_cases(mx.bfloat16, kernel, args.repeats, small=args.smoke,
+                                          engine_attention=clf._attention)
     save_partial(report, args)
     for name, row in report["attention"].items():
         print(f"attention {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()
@@ -570,6 +602,13 @@ def summarize(report: dict, args) -> None:
             fig[f"paged_kernel_vs_sdpa_{case}"] = row["sdpa_per_sequence_ms"] / row["paged_kernel_ms"]
         if "sdpa_padded_ms" in row:
             fig[f"paged_vs_padded_sdpa_{case}"] = row["sdpa_padded_ms"] / row["best_paged_ms"]
+        if "engine_attention_ms" in row:  # > 1: the engine's attention is faster than that baseline
+            engine_ms = row["engine_attention_ms"]
+            fig[f"engine_attention_vs_sdpa_per_sequence_{case}"] = row["sdpa_per_sequence_ms"] / engine_ms
+            if "sdpa_padded_ms" in row:
+                fig[f"engine_attention_vs_padded_{case}"] = row["sdpa_padded_ms"] / engine_ms
+                fig[f"engine_attention_planned_vs_padded_{case}"] = (row["sdpa_padded_ms"]
+                                                                     / row["engine_attention_planned_ms"])
     fig["paged_vs_sdpa"] = fig.get("paged_kernel_vs_sdpa_packed_prefill")
     hf = report.get("transformers")
     if hf:

@@ -86,13 +86,16 @@ def _memo(meta: AttentionMetadata, key: tuple, build):
 
 
 def _rows_of(x: mx.array, start: int | None, tokens: np.ndarray, n: int, length: int, memo) -> mx.array:
-    """Rows of a head-major `[H, T, D]` array as `[n, H, length, D]`: a view of a contiguous run, else a gather."""
-    h, _, d = x.shape
+    """Rows of a packed `[T, H, D]` array as `[n, H, length, D]`: a view of a contiguous run, else a gather.
+
+    The view keeps the token-major layout (strides independent of T); fused SDPA reads it as it is and writes
+    its output in the same layout, so turning the output back into packed rows is free as well."""
+    _, h, d = x.shape
     if start is not None:
-        rows = x[:, start : start + n * length]
+        rows = x[start : start + n * length]
     else:
-        rows = mx.take(x, memo(lambda: mx.array(tokens)), axis=1)
-    return rows.reshape(h, n, length, d).transpose(1, 0, 2, 3)
+        rows = mx.take(x, memo(lambda: mx.array(tokens)), axis=0)
+    return rows.reshape(n, length, h, d).transpose(0, 2, 1, 3)
 
 
 def _call_keys(call: SdpaCall, index: int, plan_key: tuple, k_cache, v_cache, meta, dtype, fresh, contiguous):
@@ -156,14 +159,13 @@ def paged_attention(
     plan = planned_attention(meta, query_chunk, rows, pad_slack)
     plan_key = ("attention_plan", query_chunk, rows, pad_slack)
     hq = q.shape[1]
-    qh = q.transpose(1, 0, 2)  # [Hq, T, D]: a view (the engine's q is head-major underneath)
     fresh = None
     if new_kv is not None:  # the values the cache holds (cast to its dtype), then to the compute dtype, as a read
-        fresh = tuple(x.astype(k_cache.dtype).astype(q.dtype).transpose(1, 0, 2) for x in new_kv)
+        fresh = tuple(x.astype(k_cache.dtype).astype(q.dtype) for x in new_kv)
     pieces = []
     for i, call in enumerate(plan.calls):
         memo = lambda build, i=i: _memo(meta, plan_key + (i, "q_tokens"), build)  # noqa: E731
-        q_g = _rows_of(qh, call.q_start, call.q_tokens, call.n, call.q_len, memo)
+        q_g = _rows_of(q, call.q_start, call.q_tokens, call.n, call.q_len, memo)
         k, v = _call_keys(call, i, plan_key, k_cache, v_cache, meta, q.dtype, fresh, contiguous_kv)
         mask = call.mask
         if mask == "keys":
@@ -171,8 +173,8 @@ def paged_attention(
             mask = _memo(meta, plan_key + (i, "key_mask"),
                          lambda: mx.array(np.arange(call.k_len)[None, :] < ctx[:, None])[:, None, None, :])
         o = mx.fast.scaled_dot_product_attention(q_g, k, v, scale=scale, mask=mask)  # [n, Hq, q_len, D]
-        pieces.append(o.transpose(1, 0, 2, 3).reshape(hq, call.n * call.q_len, d))
-    out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
+        pieces.append(o.transpose(0, 2, 1, 3).reshape(call.n * call.q_len, hq, d))
+    out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
     if plan.inverse is not None:
-        out = mx.take(out, _memo(meta, plan_key + ("inverse",), lambda: mx.array(plan.inverse)), axis=1)
-    return out.transpose(1, 0, 2)
+        out = mx.take(out, _memo(meta, plan_key + ("inverse",), lambda: mx.array(plan.inverse)), axis=0)
+    return out

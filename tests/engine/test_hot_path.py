@@ -127,8 +127,8 @@ def test_gather_indices_are_planned_once_per_forward(rng, monkeypatch):
 
 
 def test_equal_length_prefill_is_one_sdpa_call_per_layer(tiny_classifier, rng, make_clip, monkeypatch):
-    """Distinct clips of one size with the same question: equal prompts, no cached prefix. The language model's
-    attention must cost one SDPA call per layer per forward pass, not one per sequence."""
+    """Distinct clips of one size with the same question: equal prompts over no video prefix. The language
+    model's attention must cost one SDPA call per layer per forward pass, not one per sequence."""
     import batchjob.engine.attention as attention
     from batchjob.engine import ClassifyRequest
 
@@ -153,7 +153,9 @@ def test_equal_length_prefill_is_one_sdpa_call_per_layer(tiny_classifier, rng, m
                                 question="What happens first?", options=("a cat", "a dog")) for i in range(n)]
     results = clf.classify(requests)
     assert all(r.error is None for r in results)
-    assert len({r.prompt_tokens for r in results}) == 1 and all(r.cached_tokens == 0 for r in results)
+    # Equal prompts; the system text before the video may be cached by earlier tests on this shared engine,
+    # but then for all three alike (one prefix length, so still one group).
+    assert len({r.prompt_tokens for r in results}) == 1 and len({r.cached_tokens for r in results}) == 1
     assert forwards == [n]  # the three prompts were packed into one forward pass
     assert len(lm_calls) == num_layers
     assert all(shape[0] == n for shape in lm_calls)
