@@ -112,9 +112,9 @@ def select_attention_backend(
     `metal_available` and `load_kernel` are injectable so the selection and fallback logic can be tested
     on machines without Metal.
     """
-    portable = paged_attention
     if not metal_available():
-        return AttentionBackend("portable", "no Metal device: using the portable MLX path", portable)
+        return AttentionBackend("portable", "no Metal device: using the portable MLX path", paged_attention)
+    portable = gpu_portable_attention(dtype)  # Metal's SDPA is fused too: the GPU's grouping and chunking
     kernel, problem = _built_and_probed("Metal", load_kernel, dtype, probe)
     if problem is not None:
         return _portable_because(problem, portable)
