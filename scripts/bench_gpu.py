@@ -10,7 +10,8 @@ the real 152k vocabulary would add well under 1% of the FLOPs.
 
 Workload: `--clips` clips x `--questions` questions, `--frames` frames at `--size` (16 x 448x448 = 2,048 video
 tokens per clip), inputs prepared once up front (the pipeline prepares them in decode workers) and given to
-every path alike. Also 8 distinct clips with one question each (no sharing to help), the attention-only
+every path alike. Also 8 distinct clips with one question each (no sharing to help), 8 clips of different
+lengths (a ragged LM prefill, against mlx-vlm's forward padded to the longest), the attention-only
 cases (packed prefill, the mixed 30,000 + 5,000 + 10 case, followers over a cached video prefix), and MLX and
 torch bf16 matmul ceilings measured in the same process.
 
@@ -503,6 +504,28 @@ def main() -> None:
           f"contiguous {c_s:.3f} s ({lm_flops / c_s / 1e12:.0f})", flush=True)
     del h, pos
 
+    # Ragged LM prefill: 8 distinct clips of different lengths. The engine computes their real tokens; mlx-vlm's
+    # batched forward pads every request to the longest (right padding under its causal mask is exact).
+    ragged = []
+    for i in range(8):
+        ragged += make_workload(clf, rng, 1, 1, max(2, args.frames - 2 * (i % 6)), tuple(args.size), f"rg{i}")
+    lm_only(ragged[:2], "rgwarm")
+    r_runs = [lm_only(ragged, f"rg{i}") for i in range(args.repeats)]
+    r_s = median([t for t, _ in r_runs])
+    r_lens = [r.prompt_tokens for r in r_runs[0][1]]
+    r_flops = sum(request_flops(n, 0, args.layers) for n in r_lens)
+    h = mx.random.normal((len(ragged), max(r_lens), DIMS["hidden"])).astype(mx.bfloat16)
+    pos = mx.broadcast_to(mx.arange(max(r_lens))[None, None], (3, len(ragged), max(r_lens)))
+    contiguous()
+    p_s, _ = timed(contiguous, args.repeats)
+    report["lm_prefill_ragged"] = {"requests": len(ragged), "prompt_tokens": r_lens, "flops": r_flops,
+                                   "engine_s": r_s, "engine_tflops": r_flops / r_s / 1e12,
+                                   "mlx_vlm_padded_s": p_s, "mlx_vlm_padded_tokens": len(ragged) * max(r_lens)}
+    save_partial(report, args)
+    print(f"LM prefill ragged {r_lens}: engine {r_s:.3f} s ({r_flops / r_s / 1e12:.0f} TFLOP/s), mlx-vlm padded "
+          f"{p_s:.3f} s", flush=True)
+    del h, pos
+
     # End to end: the whole workload, and 8 distinct clips.
     def whole(reqs, tag):
         res = clf.classify(fresh(reqs, tag))
@@ -588,6 +611,10 @@ def summarize(report: dict, args) -> None:
         "mfu_lm_prefill_vs_torch_ceiling": lm["engine_tflops"] * 1e12 / ceil_t,
         "mfu_lm_mlx_vlm_contiguous": lm["mlx_vlm_contiguous_tflops"] * 1e12 / ceil_m,
         "lm_paged_vs_mlx_vlm_contiguous": lm["mlx_vlm_contiguous_s"] / lm["engine_s"],
+        "mfu_lm_prefill_ragged": report.get("lm_prefill_ragged", {}).get("engine_tflops", float("nan")) * 1e12 / ceil_m,
+        "lm_paged_vs_mlx_vlm_padded_ragged": (report["lm_prefill_ragged"]["mlx_vlm_padded_s"]
+                                              / report["lm_prefill_ragged"]["engine_s"]
+                                              if "lm_prefill_ragged" in report else float("nan")),
         "mfu_vision": vis["tflops"] * 1e12 / ceil_m,
         "mfu_vision_vs_torch_ceiling": vis["tflops"] * 1e12 / ceil_t,
         "vision_vs_mlx_vlm": vis["mlx_vlm_ms_per_clip"] / vis["ms_per_clip"],
