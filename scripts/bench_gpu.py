@@ -10,7 +10,8 @@ the real 152k vocabulary would add well under 1% of the FLOPs.
 
 Workload: `--clips` clips x `--questions` questions, `--frames` frames at `--size` (16 x 448x448 = 2,048 video
 tokens per clip), inputs prepared once up front (the pipeline prepares them in decode workers) and given to
-every path alike. Also 8 distinct clips with one question each (no sharing to help), the attention-only
+every path alike. Also 8 distinct clips with one question each (no sharing to help), 8 clips of different
+lengths (a ragged LM prefill, against mlx-vlm's forward padded to the longest), the attention-only
 cases (packed prefill, the mixed 30,000 + 5,000 + 10 case, followers over a cached video prefix), and MLX and
 torch bf16 matmul ceilings measured in the same process.
 
@@ -207,7 +208,14 @@ def timed(fn, repeats: int):
 
 
 # --- attention-only cases --------------------------------------------------------------------------------
-def attention_cases(dtype, kernel, repeats: int, small: bool = False) -> dict:
+def attention_cases(dtype, kernel, repeats: int, small: bool = False, engine_attention=None) -> dict:
+    """One layer's attention on three batches. Rows: `sdpa_per_sequence_ms` (the portable path as it was before
+    grouping: one SDPA per sequence, 512-row chunks, K/V gathered from the cache), `paged_kernel_ms` (our CUDA
+    kernel), `engine_attention_ms` (the function the engine chose at start, called as a layer calls it, new K/V
+    included, its plan built inside every timed call as in a one-layer forward), `engine_attention_planned_ms`
+    (the same with the plan already built, as in layers 2..N of a forward), `engine_attention_first_call_ms`
+    (its very first call on these shapes: plan, compilation, cuDNN graph build), and `sdpa_padded_ms` (one SDPA
+    over the batch padded to its longest query and context)."""
     import mlx.core as mx
 
     from batchjob.metal_backend import paged_attention
@@ -235,12 +243,36 @@ def attention_cases(dtype, kernel, repeats: int, small: bool = False) -> dict:
             return median(ts) * 1e3
 
         row = {"flops": flops}
-        row["sdpa_per_sequence_ms"] = bench(lambda: paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale))
+        row["sdpa_per_sequence_ms"] = bench(lambda: paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale,
+                                                                    group_rows=1))
         if kernel is not None:
             try:
                 row["paged_kernel_ms"] = bench(lambda: kernel(b.q, b.k_cache, b.v_cache, b.meta, scale))
             except Exception as exc:
                 row["paged_kernel_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if engine_attention is not None:
+            _, _, hkv, d = b.k_cache.shape  # the layer's new K/V, as the engine passes them: the rows just written
+            new_kv = tuple(c.reshape(-1, hkv, d)[b.meta.slot_mapping] for c in (b.k_cache, b.v_cache))
+            mx.eval(new_kv)
+
+            def engine(replan: bool):
+                if replan:
+                    b.meta.plan_cache.clear()
+                return engine_attention(b.q, b.k_cache, b.v_cache, b.meta, scale, new_kv=new_kv)
+
+            try:
+                b.meta.plan_cache.clear()
+                t0 = time.perf_counter()
+                mx.eval(engine(True))
+                row["engine_attention_first_call_ms"] = (time.perf_counter() - t0) * 1e3
+                row["engine_attention_ms"] = bench(lambda: engine(True))
+                row["engine_attention_planned_ms"] = bench(lambda: engine(False))
+                plan = [v for k, v in b.meta.plan_cache.items() if k[0] == "attention_plan" and len(k) == 4]
+                if plan:
+                    row["engine_attention_sdpa_calls"] = plan[0].num_calls
+            except Exception as exc:
+                row["engine_attention_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            del new_kv
         # Padded SDPA: every sequence padded to the longest query and context (what a padded batch pays).
         lq, lc = max(q_lens), max(q + c for q, c in zip(q_lens, cached))
         qp = mx.random.normal((len(q_lens), 28, lq, 128)).astype(dtype)
@@ -251,7 +283,7 @@ def attention_cases(dtype, kernel, repeats: int, small: bool = False) -> dict:
                                                                                        mask="causal"))
         except Exception as exc:
             row["sdpa_padded_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        best = min(v for k, v in row.items() if k.endswith("_ms") and k != "sdpa_padded_ms")
+        best = min(row[k] for k in ("sdpa_per_sequence_ms", "paged_kernel_ms", "engine_attention_ms") if k in row)
         row["best_paged_ms"] = best
         row["best_tflops"] = flops / best / 1e9
         out[name] = row
@@ -472,6 +504,28 @@ def main() -> None:
           f"contiguous {c_s:.3f} s ({lm_flops / c_s / 1e12:.0f})", flush=True)
     del h, pos
 
+    # Ragged LM prefill: 8 distinct clips of different lengths. The engine computes their real tokens; mlx-vlm's
+    # batched forward pads every request to the longest (right padding under its causal mask is exact).
+    ragged = []
+    for i in range(8):
+        ragged += make_workload(clf, rng, 1, 1, max(2, args.frames - 2 * (i % 6)), tuple(args.size), f"rg{i}")
+    lm_only(ragged[:2], "rgwarm")
+    r_runs = [lm_only(ragged, f"rg{i}") for i in range(args.repeats)]
+    r_s = median([t for t, _ in r_runs])
+    r_lens = [r.prompt_tokens for r in r_runs[0][1]]
+    r_flops = sum(request_flops(n, 0, args.layers) for n in r_lens)
+    h = mx.random.normal((len(ragged), max(r_lens), DIMS["hidden"])).astype(mx.bfloat16)
+    pos = mx.broadcast_to(mx.arange(max(r_lens))[None, None], (3, len(ragged), max(r_lens)))
+    contiguous()
+    p_s, _ = timed(contiguous, args.repeats)
+    report["lm_prefill_ragged"] = {"requests": len(ragged), "prompt_tokens": r_lens, "flops": r_flops,
+                                   "engine_s": r_s, "engine_tflops": r_flops / r_s / 1e12,
+                                   "mlx_vlm_padded_s": p_s, "mlx_vlm_padded_tokens": len(ragged) * max(r_lens)}
+    save_partial(report, args)
+    print(f"LM prefill ragged {r_lens}: engine {r_s:.3f} s ({r_flops / r_s / 1e12:.0f} TFLOP/s), mlx-vlm padded "
+          f"{p_s:.3f} s", flush=True)
+    del h, pos
+
     # End to end: the whole workload, and 8 distinct clips.
     def whole(reqs, tag):
         res = clf.classify(fresh(reqs, tag))
@@ -514,7 +568,8 @@ def main() -> None:
             from batchjob.metal_backend.kernels.cuda import cuda_paged_attention as kernel
         except Exception:
             kernel = None
-    report["attention"] = attention_cases(mx.bfloat16, kernel, args.repeats, small=args.smoke)
+    report["attention"] = attention_cases(mx.bfloat16, kernel, args.repeats, small=args.smoke,
+                                          engine_attention=clf._attention)
     save_partial(report, args)
     for name, row in report["attention"].items():
         print(f"attention {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()
@@ -556,6 +611,10 @@ def summarize(report: dict, args) -> None:
         "mfu_lm_prefill_vs_torch_ceiling": lm["engine_tflops"] * 1e12 / ceil_t,
         "mfu_lm_mlx_vlm_contiguous": lm["mlx_vlm_contiguous_tflops"] * 1e12 / ceil_m,
         "lm_paged_vs_mlx_vlm_contiguous": lm["mlx_vlm_contiguous_s"] / lm["engine_s"],
+        "mfu_lm_prefill_ragged": report.get("lm_prefill_ragged", {}).get("engine_tflops", float("nan")) * 1e12 / ceil_m,
+        "lm_paged_vs_mlx_vlm_padded_ragged": (report["lm_prefill_ragged"]["mlx_vlm_padded_s"]
+                                              / report["lm_prefill_ragged"]["engine_s"]
+                                              if "lm_prefill_ragged" in report else float("nan")),
         "mfu_vision": vis["tflops"] * 1e12 / ceil_m,
         "mfu_vision_vs_torch_ceiling": vis["tflops"] * 1e12 / ceil_t,
         "vision_vs_mlx_vlm": vis["mlx_vlm_ms_per_clip"] / vis["ms_per_clip"],
@@ -570,6 +629,13 @@ def summarize(report: dict, args) -> None:
             fig[f"paged_kernel_vs_sdpa_{case}"] = row["sdpa_per_sequence_ms"] / row["paged_kernel_ms"]
         if "sdpa_padded_ms" in row:
             fig[f"paged_vs_padded_sdpa_{case}"] = row["sdpa_padded_ms"] / row["best_paged_ms"]
+        if "engine_attention_ms" in row:  # > 1: the engine's attention is faster than that baseline
+            engine_ms = row["engine_attention_ms"]
+            fig[f"engine_attention_vs_sdpa_per_sequence_{case}"] = row["sdpa_per_sequence_ms"] / engine_ms
+            if "sdpa_padded_ms" in row:
+                fig[f"engine_attention_vs_padded_{case}"] = row["sdpa_padded_ms"] / engine_ms
+                fig[f"engine_attention_planned_vs_padded_{case}"] = (row["sdpa_padded_ms"]
+                                                                     / row["engine_attention_planned_ms"])
     fig["paged_vs_sdpa"] = fig.get("paged_kernel_vs_sdpa_packed_prefill")
     hf = report.get("transformers")
     if hf:

@@ -11,6 +11,7 @@ TF32 on CUDA), so this script sets MLX_ENABLE_TF32=0 before importing MLX; bf16 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -97,6 +98,7 @@ def kernel_checks() -> dict:
     from batchjob.metal_backend import paged_attention, select_cuda_backend
     from batchjob.metal_backend.kernels.cuda import cuda_paged_attention
     from batchjob.metal_backend.probe import make_ragged_batch
+    from batchjob.metal_backend.selection import gpu_portable_attention
 
     out = {}
     for dtype in (mx.float32, mx.bfloat16, mx.float16):
@@ -104,7 +106,9 @@ def kernel_checks() -> dict:
         out[f"probe_{dtype}"] = {"backend": backend.name, "reason": backend.reason}
     rng = np.random.default_rng(int(time.time()))
     cases = {"fresh": ([300, 17, 64], [0, 0, 0]), "prefix_hits": ([1, 16, 37, 5, 64], [31, 0, 32, 3, 16]),
-             "followers": ([40, 23, 60], [2100, 2100, 700]), "decode": ([1, 1, 1, 1], [0, 15, 16, 70])}
+             "followers": ([40, 23, 60], [2100, 2100, 700]), "decode": ([1, 1, 1, 1], [0, 15, 16, 70]),
+             # grouped SDPA calls: equal fresh prompts (views of q and of the new K/V), padded followers
+             "equal_fresh": ([64] * 4 + [50], [0] * 5), "padded_followers": ([40, 44, 47, 52, 1], [2064] * 4 + [9])}
     for head_dim, hq, hkv in [(128, 28, 4), (80, 16, 16), (64, 8, 2)]:
         for name, (q_lens, cached) in cases.items():
             for dtype in (mx.float32, mx.bfloat16):
@@ -113,7 +117,11 @@ def kernel_checks() -> dict:
                 scale = head_dim ** -0.5
                 want = reference(b, scale)
                 row = {}
-                for label, fn in (("kernel", cuda_paged_attention), ("portable", paged_attention)):
+                _, _, kv_heads, d = b.k_cache.shape  # the engine's call: its GPU settings and this layer's new K/V
+                new_kv = tuple(c.reshape(-1, kv_heads, d)[b.meta.slot_mapping] for c in (b.k_cache, b.v_cache))
+                engine = functools.partial(gpu_portable_attention(dtype), new_kv=new_kv)
+                for label, fn in (("kernel", cuda_paged_attention), ("portable", paged_attention),
+                                  ("engine_portable", engine)):
                     try:
                         got = np.array(fn(b.q, b.k_cache, b.v_cache, b.meta, scale).astype(mx.float32))
                         row[f"{label}_rel_err"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))

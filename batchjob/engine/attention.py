@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from batchjob.metal_backend import AttentionMetadata, KVCache, write_kv
 
-AttentionFn = Callable[[mx.array, mx.array, mx.array, AttentionMetadata, float], mx.array]
+AttentionFn = Callable[..., mx.array]  # (q, k_cache, v_cache, meta, scale, *, new_kv=None) -> [T, Hq, D]
 
 
 @dataclass
@@ -72,15 +72,17 @@ class PagedAttention(nn.Module):
         k = inner.k_proj(x).reshape(1, num_tokens, inner.n_kv_heads, inner.head_dim)
         if hasattr(inner, "q_norm"):  # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
             q, k = inner.q_norm(q), inner.k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = inner.v_proj(x).reshape(num_tokens, inner.n_kv_heads, inner.head_dim)
         cos, sin = position_embeddings
-        q, k = self._apply_rope(q, k, cos, sin, 1)
-        q = q[0].transpose(1, 0, 2)
-        k = k[0].transpose(1, 0, 2)
+        # The rotary embedding is elementwise: applied with the heads on axis 2 (cos/sin broadcast over them) it
+        # gives the same values as mlx-vlm's head-major call, in the packed token-major layout that the cache
+        # write, the kernels and SDPA's views read without a transpose copy.
+        q, k = self._apply_rope(q, k, cos, sin, 2)
+        q, k = q[0], k[0]
         cache, layer = ctx.kv_cache, self.layer_index
         cache.k[layer], cache.v[layer] = write_kv(cache.k[layer], cache.v[layer], k, v, ctx.meta)
-        out = ctx.attention(q, cache.k[layer], cache.v[layer], ctx.meta, inner.scale)
+        # The new K/V go along: sequences with nothing cached attend to them directly (no gather from the cache).
+        out = ctx.attention(q, cache.k[layer], cache.v[layer], ctx.meta, inner.scale, new_kv=(k, v))
         return inner.o_proj(out.reshape(1, num_tokens, -1))
 
 

@@ -21,7 +21,7 @@ from .probe import make_ragged_batch
 
 log = logging.getLogger(__name__)
 
-AttentionFn = Callable[..., mx.array]  # (q, k_cache, v_cache, meta, scale) -> out
+AttentionFn = Callable[..., mx.array]  # (q, k_cache, v_cache, meta, scale, *, new_kv=None) -> out
 PROBE_TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 6e-2}  # max abs diff vs portable
 
 
@@ -33,8 +33,11 @@ class AttentionBackend:
     reason: str
     fn: AttentionFn
 
-    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta, scale: float) -> mx.array:
-        return self.fn(q, k_cache, v_cache, meta, scale)
+    def __call__(self, q: mx.array, k_cache: mx.array, v_cache: mx.array, meta, scale: float,
+                 new_kv: tuple[mx.array, mx.array] | None = None) -> mx.array:
+        if new_kv is None:  # every AttentionFn takes the five positional arguments; new_kv is an optional hint
+            return self.fn(q, k_cache, v_cache, meta, scale)
+        return self.fn(q, k_cache, v_cache, meta, scale, new_kv=new_kv)
 
 
 def metal_is_available() -> bool:
@@ -109,9 +112,9 @@ def select_attention_backend(
     `metal_available` and `load_kernel` are injectable so the selection and fallback logic can be tested
     on machines without Metal.
     """
-    portable = paged_attention
     if not metal_available():
-        return AttentionBackend("portable", "no Metal device: using the portable MLX path", portable)
+        return AttentionBackend("portable", "no Metal device: using the portable MLX path", paged_attention)
+    portable = gpu_portable_attention(dtype)  # Metal's SDPA is fused too: the GPU's grouping and chunking
     kernel, problem = _built_and_probed("Metal", load_kernel, dtype, probe)
     if problem is not None:
         return _portable_because(problem, portable)
@@ -156,14 +159,17 @@ def median_ms(fn, batch, repeats: int = 7) -> float:
 
 
 GPU_QUERY_CHUNK = 4096  # query rows per SDPA call on a GPU in half precision (see gpu_portable_attention)
+GPU_GROUP_ROWS = 1 << 16  # query rows of one grouped SDPA call there: above any forward pass's token budget
 
 
 def gpu_portable_attention(dtype: mx.Dtype) -> AttentionFn:
-    """The portable path tuned for a GPU: in bf16/fp16 MLX's SDPA is a fused kernel that never materialises the
-    score matrix, so the 512-row query chunks that bound CPU memory only add launches; fp32 falls back to
-    unfused ops there, so it keeps them."""
+    """The portable path tuned for a GPU: in bf16/fp16 MLX's SDPA is a fused kernel (cuDNN on CUDA) that never
+    materialises the score matrix, so the 512-row query chunks that bound CPU memory only add launches, a
+    grouped call may hold the whole batch, and K/V views are read as they are (no copy); fp32 falls back to
+    unfused ops there, so it keeps the CPU's settings."""
     if dtype in (mx.bfloat16, mx.float16):
-        return functools.partial(paged_attention, query_chunk=GPU_QUERY_CHUNK)
+        return functools.partial(paged_attention, query_chunk=GPU_QUERY_CHUNK, group_rows=GPU_GROUP_ROWS,
+                                 contiguous_kv=False)
     return paged_attention
 
 
@@ -175,13 +181,13 @@ class PerCaseAttention:
     kernel: AttentionFn
     portable: AttentionFn = paged_attention
 
-    def __call__(self, q, k_cache, v_cache, meta, scale):
+    def __call__(self, q, k_cache, v_cache, meta, scale, new_kv=None):
         if self.choice.get(batch_case(meta)) == "kernel":
             try:
                 return self.kernel(q, k_cache, v_cache, meta, scale)
             except ValueError:  # a launch the kernel refuses (grid limits): the portable path is always right
                 pass
-        return self.portable(q, k_cache, v_cache, meta, scale)
+        return self.portable(q, k_cache, v_cache, meta, scale, new_kv=new_kv)
 
 
 def _load_cuda_kernel() -> AttentionFn:

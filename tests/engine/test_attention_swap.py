@@ -29,3 +29,20 @@ def test_delegates_to_mlx_vlm_without_context(checkpoint_dir, rng, make_clip):
     assert all(isinstance(layer.self_attn, PagedAttention) for layer in layers)
     assert not isinstance(layers[0].self_attn.inner, PagedAttention)
     np.testing.assert_array_equal(logits(), before)
+
+
+def test_rotary_with_heads_on_axis_two_equals_mlx_vlms_head_major_call(rng):
+    """The wrapper applies each family's M-RoPE to token-major q/k (heads on axis 2) so nothing is transposed
+    and copied; the values must be bit-identical to mlx-vlm's own head-major call, in fp32 and bf16."""
+    import importlib
+
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+        apply = importlib.import_module(f"mlx_vlm.models.{family}.language").apply_multimodal_rotary_pos_emb
+        for dtype in (mx.float32, mx.bfloat16):
+            t, hq, hkv, d = int(rng.integers(1, 40)), 4, 2, 32
+            q, k = (mx.array(rng.standard_normal((1, t, h, d)).astype(np.float32)).astype(dtype) for h in (hq, hkv))
+            cos, sin = (mx.array(rng.standard_normal((1, t, d)).astype(np.float32)).astype(dtype) for _ in "cs")
+            q_ref, k_ref = apply(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), cos, sin, 1)
+            q_tok, k_tok = apply(q, k, cos, sin, 2)
+            assert mx.array_equal(q_tok, q_ref.transpose(0, 2, 1, 3)).item(), (family, dtype)
+            assert mx.array_equal(k_tok, k_ref.transpose(0, 2, 1, 3)).item(), (family, dtype)

@@ -124,3 +124,64 @@ def test_gather_indices_are_planned_once_per_forward(rng, monkeypatch):
     assert mx.array_equal(first, again).item()
     batch.meta.plan_cache.clear()
     assert mx.array_equal(paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2), first).item()
+
+
+def test_equal_length_prefill_is_one_sdpa_call_per_layer(tiny_classifier, rng, make_clip, monkeypatch):
+    """Distinct clips of one size with the same question: equal prompts over no video prefix. The language
+    model's attention must cost one SDPA call per layer per forward pass, not one per sequence."""
+    import batchjob.engine.attention as attention
+    from batchjob.engine import ClassifyRequest
+
+    clf = tiny_classifier("qwen2_5_vl-mha")  # 3 decoder layers
+    num_layers = len(clf.checkpoint.model.language_model.model.layers)
+    real_sdpa, forward = mx.fast.scaled_dot_product_attention, runner.forward
+    lm_calls, forwards = [], []
+
+    def spy_sdpa(q, k, v, **kwargs):
+        if attention._CONTEXT is not None:  # inside the packed LM forward (the vision tower runs outside it)
+            lm_calls.append(q.shape)
+        return real_sdpa(q, k, v, **kwargs)
+
+    def spy_forward(*args, **kwargs):
+        forwards.append(len(args[1]))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy_sdpa)
+    monkeypatch.setattr("batchjob.engine.classifier.forward", spy_forward)
+    n = 3
+    requests = [ClassifyRequest(request_id=f"eq{i}", clip=make_clip(rng, f"eq-{i}", num_frames=2, size=(56, 56)),
+                                question="What happens first?", options=("a cat", "a dog")) for i in range(n)]
+    results = clf.classify(requests)
+    assert all(r.error is None for r in results)
+    # Equal prompts; the system text before the video may be cached by earlier tests on this shared engine,
+    # but then for all three alike (one prefix length, so still one group).
+    assert len({r.prompt_tokens for r in results}) == 1 and len({r.cached_tokens for r in results}) == 1
+    assert forwards == [n]  # the three prompts were packed into one forward pass
+    assert len(lm_calls) == num_layers
+    assert all(shape[0] == n for shape in lm_calls)
+
+
+def test_grouped_attention_answers_like_per_sequence_attention(checkpoint_dir, rng, make_clip, make_request):
+    """The engine with grouped SDPA calls (and fresh K/V read directly) against the same engine running one
+    SDPA per sequence from the cache (the path before grouping), on a ragged workload: several clips, several
+    questions of random length each (followers over a cached video prefix), clips of different sizes."""
+    from batchjob.engine import Classifier, EngineConfig
+    from batchjob.metal_backend import paged_attention
+
+    def per_sequence(q, k_cache, v_cache, meta, scale, new_kv=None):
+        return paged_attention(q, k_cache, v_cache, meta, scale, group_rows=1)
+
+    config = EngineConfig(max_model_len=2048, memory_budget_gb=1.0)
+    grouped = Classifier.from_pretrained(checkpoint_dir("qwen2_5_vl-gqa"), config)
+    reference = Classifier.from_pretrained(checkpoint_dir("qwen2_5_vl-gqa"), config)
+    reference._attention = per_sequence
+    clips = [make_clip(rng, f"rag-{i}", num_frames=int(rng.integers(2, 5)),
+                       size=(int(rng.choice([56, 84])), int(rng.choice([56, 112])))) for i in range(4)]
+    requests = [make_request(rng, f"rag{i}-{j}", clip) for i, clip in enumerate(clips)
+                for j in range(int(rng.integers(1, 5)))]
+    got, want = grouped.classify(requests), reference.classify(requests)
+    assert all(r.error is None for r in got + want)
+    assert any(r.cached_tokens > 0 for r in got)  # followers did read a cached prefix
+    for g, w in zip(got, want):
+        assert (g.choice, g.prompt_tokens, g.cached_tokens) == (w.choice, w.prompt_tokens, w.cached_tokens)
+        assert np.abs(np.array(g.logprobs) - np.array(w.logprobs)).max() < 1e-5, g.request_id

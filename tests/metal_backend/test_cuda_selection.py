@@ -100,11 +100,11 @@ def test_per_case_choice_takes_the_faster_correct_path(kernel_ms, expected, rng,
 
 
 def test_gpu_portable_path_uses_long_query_chunks_only_in_half_precision(rng):
-    from batchjob.metal_backend.selection import GPU_QUERY_CHUNK, gpu_portable_attention
+    from batchjob.metal_backend.selection import GPU_GROUP_ROWS, GPU_QUERY_CHUNK, gpu_portable_attention
 
     assert gpu_portable_attention(mx.float32) is paged_attention  # unfused on CUDA: keep score matrices small
     fn = gpu_portable_attention(mx.bfloat16)
-    assert fn.keywords == {"query_chunk": GPU_QUERY_CHUNK}
+    assert fn.keywords == {"query_chunk": GPU_QUERY_CHUNK, "group_rows": GPU_GROUP_ROWS, "contiguous_kv": False}
     batch = make_ragged_batch(rng, [700, 3], [0, 40], dtype=mx.float32, **SHAPE)
     np.testing.assert_allclose(np.array(fn(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)),
                                np.array(paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)),

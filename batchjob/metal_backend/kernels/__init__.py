@@ -89,9 +89,11 @@ def kernel_launch(
 
 
 def metal_paged_attention(
-    q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, scale: float, kind: str = "auto"
+    q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, scale: float, kind: str = "auto",
+    new_kv=None,
 ) -> mx.array:
-    """Paged attention on the Metal GPU: per-token kernel for short queries, tiled kernel for prefill."""
+    """Paged attention on the Metal GPU: per-token kernel for short queries, tiled kernel for prefill.
+    `new_kv` (the portable path's shortcut for fresh sequences) is ignored: the kernels read the cache."""
     launch = kernel_launch(q, k_cache, v_cache, meta, scale, kind)
     return run_launch(_kernel(launch.kind), launch)
 

@@ -41,7 +41,8 @@ def cuda_launch(q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: Attenti
 
 
 def cuda_paged_attention(q: mx.array, k_cache: mx.array, v_cache: mx.array, meta: AttentionMetadata, scale: float,
-                         kind: str = "auto") -> mx.array:
-    """Paged attention on an NVIDIA GPU: per-token kernel for short queries, tiled kernel otherwise."""
+                         kind: str = "auto", new_kv=None) -> mx.array:
+    """Paged attention on an NVIDIA GPU: per-token kernel for short queries, tiled kernel otherwise.
+    `new_kv` (the portable path's shortcut for fresh sequences) is ignored: the kernels read the cache."""
     launch = cuda_launch(q, k_cache, v_cache, meta, scale, kind)
     return run_launch(_kernel(launch.kind), launch)

@@ -1,0 +1,238 @@
+"""Grouped SDPA calls (attention_plan): exact against the float64 dense per-sequence reference on random ragged
+batches, the plan's own invariants, and the number of SDPA calls a packed batch costs per layer."""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from batchjob.metal_backend import SeqSlice, build_attention_metadata, paged_attention
+from batchjob.metal_backend.attention_plan import PAD_SLACK, causal_work, padded_groups, plan_attention
+from batchjob.metal_backend.probe import make_ragged_batch
+
+SETTINGS = {  # the CPU's defaults, the GPU's (bf16) settings, and small chunks that force every path at once
+    "cpu": dict(),
+    "gpu": dict(query_chunk=4096, group_rows=1 << 16, contiguous_kv=False),
+    "tight": dict(query_chunk=24, group_rows=40),
+}
+
+
+def new_kv_of(batch):
+    """This layer's new K/V as the engine hands them over: the cache rows at each new token's slot."""
+    _, bs, hkv, d = batch.k_cache.shape
+    slots = batch.meta.slot_mapping
+    return (batch.k_cache.reshape(-1, hkv, d)[slots], batch.v_cache.reshape(-1, hkv, d)[slots])
+
+
+def ragged_batch_spec(rng: np.random.Generator, block_size: int) -> tuple[list[int], list[int]]:
+    """Sequences drawn to hit every kind of call: equal-shape runs (fresh and over a shared prefix length),
+    near-equal query lengths over one prefix (padded groups), one-token queries, a long prompt, odd sizes."""
+    q_lens, cached = [], []
+    for _ in range(int(rng.integers(1, 4))):  # runs of equal shape
+        n, q, c = int(rng.integers(2, 5)), int(rng.integers(2, 30)), int(rng.choice([0, 0, block_size, 37]))
+        q_lens += [q] * n
+        cached += [c] * n
+    prefix = int(rng.integers(1, 80))  # followers: short questions of similar length after one cached prefix
+    for _ in range(int(rng.integers(0, 5))):
+        q_lens.append(int(rng.integers(8, 12)))
+        cached.append(prefix)
+    for _ in range(int(rng.integers(0, 4))):  # one-token queries (decode groups, or alone)
+        q_lens.append(1)
+        cached.append(int(rng.integers(0, 60)))
+    if rng.random() < 0.5:  # a prompt much longer than the rest (never padded to, chunked under "tight")
+        q_lens.append(int(rng.integers(60, 120)))
+        cached.append(int(rng.choice([0, 5])))
+    order = rng.permutation(len(q_lens))
+    return [q_lens[i] for i in order], [cached[i] for i in order]
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("with_new_kv", [True, False])
+@pytest.mark.parametrize("trial", range(3))
+def test_grouped_attention_matches_dense_per_sequence_reference(rng, dense_reference, setting, with_new_kv, trial):
+    block_size = int(rng.choice([8, 16]))
+    gqa, num_kv_heads, head_dim = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2])), int(rng.choice([32, 64]))
+    q_lens, cached = ragged_batch_spec(rng, block_size)
+    batch = make_ragged_batch(rng, q_lens, cached, num_q_heads=gqa * num_kv_heads, num_kv_heads=num_kv_heads,
+                              head_dim=head_dim, block_size=block_size, shuffle_blocks=bool(rng.random() < 0.7))
+    scale = head_dim**-0.5
+    fn = functools.partial(paged_attention, **SETTINGS[setting])
+    out = fn(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale,
+             new_kv=new_kv_of(batch) if with_new_kv else None)
+    assert out.shape == batch.q.shape and out.dtype == mx.float32
+    err = np.abs(np.array(out).astype(np.float64) - dense_reference(batch, scale)).max()
+    assert err < 1e-5, f"max abs error {err} for q_lens={q_lens} cached={cached} ({setting})"
+    per_sequence = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale, group_rows=1)
+    assert np.abs(np.array(out) - np.array(per_sequence)).max() < 1e-5
+
+
+def check_plan(plan, q_lens, cached, *, query_chunk, group_rows, pad_slack=PAD_SLACK):
+    """Invariants every plan must keep, checked from the calls alone."""
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    seen = np.concatenate([c.out_tokens[c.out_tokens >= 0] for c in plan.calls])
+    assert sorted(seen.tolist()) == list(range(int(cu[-1]))), "every token computed exactly once"
+    stacked = np.concatenate([c.out_tokens for c in plan.calls])
+    order = np.arange(len(stacked)) if plan.inverse is None else plan.inverse
+    assert np.array_equal(stacked[order], np.arange(int(cu[-1]))), "inverse maps tokens to their rows"
+    for c in plan.calls:
+        assert c.n >= 1 and c.q_len >= 1 and c.k_len >= c.q_len, "no empty SDPA call, keys cover the queries"
+        assert len(c.q_tokens) == len(c.out_tokens) == c.n * c.q_len
+        real = c.out_tokens >= 0
+        assert np.array_equal(c.q_tokens[real], c.out_tokens[real])
+        if c.q_start is not None:
+            assert np.array_equal(c.q_tokens, c.q_start + np.arange(c.n * c.q_len))
+        rows = c.out_tokens.reshape(c.n, c.q_len)
+        for s, r in zip(c.seqs, rows):
+            mine = r[r >= 0]
+            assert np.all((mine >= cu[s]) & (mine < cu[s + 1])), "a call's rows belong to their own sequence"
+            assert np.array_equal(mine, np.arange(mine[0], mine[0] + len(mine))) and np.all(r[len(mine):] < 0), \
+                "real rows first and consecutive, padding only at the end"
+            # The exactness condition of a lower-right causal mask: the offset k_len - q_len is the number of
+            # positions before the call's first row, for every sequence in the call.
+            if c.mask == "causal":
+                assert c.k_len - c.q_len == cached[s] + (mine[0] - cu[s])
+            elif c.mask is None:  # one row that sees every key: exactly the positions up to its own
+                assert c.q_len == 1 and c.k_len == cached[s] + (mine[0] - cu[s]) + 1
+            else:  # one-token sequences, keys padded to the longest and masked past each context
+                assert c.mask == "keys" and c.q_len == 1 == q_lens[s] and c.k_len >= cached[s] + 1
+        if c.mask == "causal" and c.n > 1:
+            prefix = c.k_len - c.q_len
+            real_work = sum(causal_work(int(q_lens[s]), prefix) for s in c.seqs)
+            assert c.n * causal_work(c.q_len, prefix) <= pad_slack * real_work + 1e-9
+            assert c.n * c.q_len <= group_rows
+        if c.key_tokens is not None:
+            assert all(cached[s] == 0 for s in c.seqs)
+            keys = c.key_tokens.reshape(c.n, c.k_len)
+            for s, k in zip(c.seqs, keys):
+                assert np.all((k >= cu[s]) & (k < cu[s + 1]))
+        assert max(q_lens[s] for s in c.seqs) <= query_chunk or c.n == 1
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_plan_invariants_on_random_batches(rng, trial):
+    n = int(rng.integers(1, 40))
+    q_lens = [int(x) for x in rng.choice([1, 1, 2, 7, 16, 40, 41, 300, 2100], size=n)]
+    prefixes = [0, 0, 16, 2064, int(rng.integers(1, 3000))]
+    cached = [int(rng.choice(prefixes)) for _ in range(n)]
+    query_chunk, group_rows = int(rng.choice([64, 512, 4096])), int(rng.choice([1, 512, 1 << 16]))
+    group_rows = max(group_rows, 1)
+    plan = plan_attention(np.concatenate([[0], np.cumsum(q_lens)]), np.add(q_lens, cached), query_chunk=query_chunk,
+                          group_rows=group_rows)
+    check_plan(plan, q_lens, cached, query_chunk=query_chunk, group_rows=group_rows)
+
+
+def test_plan_shapes_for_the_engines_cases():
+    def plan(q_lens, cached, **kw):
+        kw = {"query_chunk": 4096, "group_rows": 1 << 16, **kw}
+        return plan_attention(np.concatenate([[0], np.cumsum(q_lens)]), np.add(q_lens, cached), **kw)
+
+    fresh = plan([2135] * 8, [0] * 8)  # eight distinct clips: one call, q and K/V views, no reordering
+    assert fresh.num_calls == 1 and fresh.inverse is None
+    (call,) = fresh.calls
+    assert (call.n, call.q_len, call.k_len, call.q_start, call.k_start) == (8, 2135, 2135, 0, 0)
+    followers = plan([40, 47, 52, 44] * 3, [2064] * 12)  # questions of different lengths over a video prefix
+    assert followers.num_calls == 1 and followers.calls[0].key_tokens is None and followers.calls[0].q_len == 52
+    ragged = plan([30000, 5000, 10], [0, 0, 0])  # never pad the short ones to the long one
+    assert sum(c.padded_rows for c in ragged.calls) == 0
+    assert ragged.num_calls == -(-30000 // 4096) + -(-5000 // 4096) + 1
+    mixed = plan([2135, 40, 40, 1, 1, 2135], [0, 2064, 2064, 300, 310, 0])
+    assert mixed.num_calls == 3  # the fresh pair, the followers, the one-token pair
+    assert plan([100, 50], [0, 0]).num_calls == 2  # 2x the real work if padded: above PAD_SLACK
+    assert plan([16] * 8, [0] * 8, group_rows=64).num_calls == 2  # 4 sequences of 16 rows per call
+
+
+def test_padded_groups_partition_and_bound_padding(rng):
+    lengths = [int(x) for x in rng.integers(1, 400, size=int(rng.integers(1, 60)))]
+    prefix = int(rng.integers(0, 3000))
+    groups = padded_groups(lengths, prefix, pad_slack=1.25, group_rows=2048)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert lengths[g[0]] == longest
+        if len(g) > 1:
+            assert len(g) * causal_work(longest, prefix) <= 1.25 * sum(causal_work(lengths[i], prefix) for i in g)
+            assert len(g) * longest <= 2048
+    assert len(padded_groups([33] * 10, prefix, pad_slack=1.0, group_rows=1 << 16)) == 1  # equal shapes: one
+
+
+def test_empty_sequences_are_refused_before_any_attention():
+    """A sequence with no new tokens would become a zero-row SDPA call (fatal on CUDA): refused up front."""
+    with pytest.raises(ValueError, match="at least one new token"):
+        build_attention_metadata([SeqSlice([0], 0, 4), SeqSlice([1], 3, 0)], 16)
+    with pytest.raises(ValueError, match=">= 1 new token"):
+        plan_attention(np.array([0, 4, 4]), np.array([4, 3]), query_chunk=512, group_rows=512)
+
+
+class SdpaSpy:
+    """Wraps MLX's SDPA and records each call's query and key shapes."""
+
+    def __init__(self, monkeypatch):
+        self.real, self.calls = mx.fast.scaled_dot_product_attention, []
+        monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", self)
+
+    def __call__(self, q, k, v, **kwargs):
+        assert q.size > 0 and k.size > 0, "an empty SDPA call (fatal on CUDA) was issued"
+        self.calls.append((q.shape, k.shape))
+        return self.real(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("setting", ["cpu", "gpu"])
+def test_packed_equal_length_prefill_is_one_sdpa_call_per_layer(rng, dense_reference, monkeypatch, setting):
+    n, q_len, layers = int(rng.integers(2, 9)), int(rng.integers(2, 512 // 8)), 4
+    batch = make_ragged_batch(rng, [q_len] * n, [0] * n, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
+    spy = SdpaSpy(monkeypatch)
+    fn = functools.partial(paged_attention, **SETTINGS[setting])
+    for _ in range(layers):  # one forward pass: the plan is built by the first layer and reused
+        out = fn(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, new_kv=new_kv_of(batch))
+    assert len(spy.calls) == layers
+    assert spy.calls[0] == ((n, 4, q_len, 32), (n, 2, q_len, 32))
+    assert np.abs(np.array(out).astype(np.float64) - dense_reference(batch, 0.2)).max() < 1e-5
+    spy.calls.clear()  # the per-sequence baseline pays one call per sequence
+    paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, group_rows=1)
+    assert len(spy.calls) == n
+
+
+def test_followers_over_one_prefix_share_a_call(rng, dense_reference, monkeypatch):
+    """Short questions after the same cached video prefix (the followers of a clip): one call, padded."""
+    q_lens = [int(x) for x in rng.integers(20, 25, size=6)]
+    batch = make_ragged_batch(rng, q_lens, [160] * 6, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16)
+    spy = SdpaSpy(monkeypatch)
+    out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, new_kv=new_kv_of(batch))
+    assert spy.calls == [((6, 8, max(q_lens), 32), (6, 2, 160 + max(q_lens), 32))]
+    assert np.abs(np.array(out).astype(np.float64) - dense_reference(batch, 0.2)).max() < 1e-5
+
+
+def test_fresh_sequences_read_the_new_kv_not_the_cache(rng, dense_reference):
+    """With `new_kv`, sequences with nothing cached never read the cache: a poisoned cache changes nothing
+    for them (and everything for a sequence whose prefix is cached)."""
+    batch = make_ragged_batch(rng, [12, 12, 9, 5], [0, 0, 0, 20], num_q_heads=4, num_kv_heads=2, head_dim=32,
+                              block_size=8)
+    new_kv = new_kv_of(batch)
+    poisoned = mx.full(batch.k_cache.shape, 1e4)
+    out = paged_attention(batch.q, poisoned, poisoned, batch.meta, 0.2, new_kv=new_kv)
+    ref = dense_reference(batch, 0.2)
+    fresh_rows = 12 + 12 + 9
+    assert np.abs(np.array(out)[:fresh_rows] - ref[:fresh_rows]).max() < 1e-5
+    assert np.abs(np.array(out)[fresh_rows:] - ref[fresh_rows:]).max() > 1.0
+
+
+def test_new_kv_of_the_wrong_shape_is_named(rng):
+    batch = make_ragged_batch(rng, [5, 3], [0, 0], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
+    k, v = new_kv_of(batch)
+    with pytest.raises(ValueError, match="new_kv must be K and V"):
+        paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, new_kv=(k[:4], v[:4]))
+
+
+@pytest.mark.parametrize("dtype,tol", [(mx.bfloat16, 3e-2)])
+def test_gpu_settings_in_half_precision_within_dtype_tolerance(rng, dense_reference, dtype, tol):
+    q_lens, cached = ragged_batch_spec(rng, 16)
+    batch = make_ragged_batch(rng, q_lens, cached, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                              dtype=dtype)
+    out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, new_kv=new_kv_of(batch),
+                          **SETTINGS["gpu"])
+    assert out.dtype == dtype
+    err = np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - dense_reference(batch, 0.125)).max()
+    assert err < tol, f"max abs error {err} for q_lens={q_lens} cached={cached}"
