@@ -428,6 +428,8 @@ def main() -> None:
 
     ckpt = dataclasses.replace(tiny, model=model, hf_config=cfg, dtype=mx.bfloat16,
                                weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())))
+    ckpt.family.fix_model(model)   # what load_checkpoint does: window-index patch, fused vision MLPs
+    mx.eval(model.parameters())
     clf = Classifier(ckpt, engine_config)
     encode_video = ckpt.family.encode_video   # Qwen2.5-VL's packed tower forward
     report["engine_runtime"] = clf.runtime.as_dict()
