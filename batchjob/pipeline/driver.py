@@ -60,6 +60,7 @@ class Driver:
                            run_started_at=self.run_started_at, finished_at=now, error=error)
                 for r in clip.rows]
         self.stats.done_rows += len(rows)
+        self.stats.done_clips += 1
         self.stats.error_rows += sum(1 for r in rows if r["error"])
         self.write(rows)
 
