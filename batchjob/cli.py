@@ -117,8 +117,6 @@ def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool,
         raise _bad_config(str(e))
     except (EngineStartError, NoEngineLeft) as e:
         err.print(f"[bold red]engine error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        if stats_json and isinstance(e, NoEngineLeft):   # monitoring still gets what this run did
-            stats_json.write_text(json.dumps(e.stats.as_dict(), indent=1) + "\n")
         raise typer.Exit(1)
     except (KeyboardInterrupt, JobTerminated) as e:
         err.print("interrupted: finished rows are saved; rerun the same command to resume")

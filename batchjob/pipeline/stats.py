@@ -22,6 +22,7 @@ class RunStats:
     total_rows: int = 0          # rows in the dataset (after limit)
     skipped_rows: int = 0        # already in the output (resume)
     done_rows: int = 0           # written by this run
+    done_clips: int = 0          # clips whose rows this run wrote
     error_rows: int = 0
     wall_s: float = 0.0          # whole run: Ray start-up and model load included
     stream_s: float = 0.0        # the streaming phase only (first decode submitted to last row written)

@@ -160,8 +160,7 @@ def test_when_every_replica_died_the_run_stops_and_a_rerun_resumes(tmp_path, h, 
     first = h.run_cli("run", str(cfg), "--stats-json", str(tmp_path / "stats.json"))
     assert first.returncode == 1, first.stderr[-3000:]
     assert "all 1 engine replica(s) died" in first.stderr and "rerun the same command" in first.stderr
-    stats = json.loads((tmp_path / "stats.json").read_text())
-    assert stats["dead_replicas"] == [0] and stats["error_rows"] == stats["done_rows"] > 0
+    assert not (tmp_path / "stats.json").exists(), "a stats file tells the nightly runner the run finished"
     rows = h.read_rows(tmp_path / "out")
     errors = [r for r in rows if r["error"]]
     assert any(r["row_id"] == "crash-0" for r in errors) and all("engine replica 0 died" in r["error"] for r in errors)

@@ -205,7 +205,7 @@ def test_answers_every_row_once_within_the_in_flight_bound(tmp_path, rng):
         assert out["frame_indices"] == [0, 13, 26, 39] and out["decode_ms"] == 2.0
         assert out["prompt_tokens"] == 100 and out["cached_tokens"] == 50 and out["engine_ms"] == 5.0
     assert workers.max_in_flight <= bound
-    assert stats.done_rows == len(rows) and stats.error_rows == 0
+    assert stats.done_rows == len(rows) and stats.error_rows == 0 and stats.done_clips == len(videos)
     assert stats.decode_busy_s == pytest.approx(len(videos) * 3.0 / 1000)
 
 
