@@ -158,22 +158,6 @@ def config_7b(tiny_dir: Path, layers: int, v_layers: int) -> dict:
     return cfg
 
 
-def build_mlx_model(cfg_dir: Path):
-    import mlx.core as mx
-    from mlx_vlm.utils import get_model_and_args, load_config, update_module_configs
-
-    config = load_config(cfg_dir)
-    model_class, _ = get_model_and_args(config=config, model_path=cfg_dir)
-    config.setdefault("text_config", {})
-    config.setdefault("vision_config", {})
-    model_config = update_module_configs(model_class.ModelConfig.from_dict(config), model_class, config,
-                                         ["text", "vision"])
-    model = model_class.Model(model_config)
-    model.set_dtype(mx.bfloat16)  # bf16 weights (on a CPU too under --smoke: slow but the same code)
-    mx.eval(model.parameters())
-    return model
-
-
 def make_workload(clf, rng, clips: int, questions: int, frames: int, size, tag: str):
     from batchjob.engine import ClassifyRequest, Clip
     from batchjob.engine.preprocess import preprocess_video
@@ -398,6 +382,7 @@ def main() -> None:
 
     from batchjob.engine import Classifier, EngineConfig
     from batchjob.engine.checkpoint import load_checkpoint
+    from batchjob.synthetic.random_engine import build_random_model
     from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
 
     report: dict = {"environment": environment(), "args": vars(args)}
@@ -420,7 +405,7 @@ def main() -> None:
             (big_dir / f.name).write_bytes(f.read_bytes())
 
     t0 = time.perf_counter()
-    model = build_mlx_model(big_dir)
+    model = build_random_model(big_dir, mx.bfloat16)   # bf16 weights (on a CPU too under --smoke)
     engine_config = EngineConfig(device="auto" if args.smoke else "gpu", max_model_len=8192,
                                  max_num_batched_tokens=args.max_num_batched_tokens, memory_budget_gb=60.0)
     tiny = load_checkpoint(tiny_dir, engine_config)
