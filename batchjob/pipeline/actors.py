@@ -30,10 +30,15 @@ def _node_id() -> str:
 
 
 class Decoder:
-    """Decodes one clip per call; with the engine's input preparer, also turns the frames into its input."""
+    """Decodes one clip per call; with the engine's input preparer, also turns the frames into its input.
+
+    Unlike the MLX engine's actor, a decoder leaves torch visible: the preparer's resize runs PyTorch's own
+    uint8 kernel when torch is installed (`engine/resize.py`), many times faster than the numpy fallback on
+    1080p frames, and every frame of every clip passes through it. Hidden, it made the decoders the job's
+    bottleneck on a GPU machine (see benchmarks/results); the price is torch's import once per decoder."""
 
     def __init__(self, loader: str, num_frames: int, loader_kwargs: dict[str, Any],
-                 prepare: InputPreparer | None = None, hide_torch: bool = False):
+                 prepare: InputPreparer | None = None):
         # A decoder holds no Ray GPU, and Ray leaves CUDA_VISIBLE_DEVICES alone for such workers: hide the
         # GPUs so no library opens a CUDA context (hundreds of MB each) on the engines' devices.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -45,10 +50,6 @@ class Decoder:
         self.prepare = prepare
         if prepare is not None:
             try:
-                if hide_torch:
-                    from batchjob.engine.process_setup import keep_torch_out
-
-                    keep_torch_out()
                 prepare.warm_up()
             except Exception as err:   # e.g. MLX missing on this node: ship frames, the engine prepares
                 log.warning("decoder on %s: input preparation unavailable (%s: %s); sending frames",
@@ -116,14 +117,14 @@ class EngineHost:
 
 
 def make_decoders(n: int, cpus: float, loader: str, num_frames: int, kwargs: dict[str, Any],
-                  prepare: InputPreparer | None = None, hide_torch: bool = False) -> list:
+                  prepare: InputPreparer | None = None) -> list:
     import ray
 
     # SPREAD: on a cluster, decoders land on different nodes (that is the point of scaling out).
     # max_restarts=-1: a decoder killed by a crashing codec comes back; its clip is retried once.
     cls = ray.remote(Decoder).options(num_cpus=cpus, max_restarts=-1, max_task_retries=0,
                                       scheduling_strategy="SPREAD")
-    return [cls.remote(loader, num_frames, kwargs, prepare, hide_torch) for _ in range(n)]
+    return [cls.remote(loader, num_frames, kwargs, prepare) for _ in range(n)]
 
 
 def make_engines(n: int, cpus: float, model: ModelConfig, prompt: PromptConfig, gpus: float = 0.0) -> list:

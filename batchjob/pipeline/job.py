@@ -135,7 +135,7 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         engine_cls = resolve_engine(cfg.model.engine)
         engines = make_engines(plan.engines, plan.engine_cpus, cfg.model, cfg.prompt, plan.engine_gpus)
         decoders = make_decoders(plan.decoders, plan.decode_cpus, loader, n, kw,
-                                 engine_cls.input_preparer(cfg.model), engine_cls.hides_torch)
+                                 engine_cls.input_preparer(cfg.model))
         try:
             described = ray.get([e.describe.remote() for e in engines])
         except ray.exceptions.RayError as err:

@@ -73,3 +73,42 @@ def test_preparer_settings_equal_the_engines(checkpoint, timestamps):
     prep = clip_preparer(ModelConfig(checkpoint=str(checkpoint), timestamps=timestamps, temporal_step="actual"))
     family = family_for(json.loads((checkpoint / "config.json").read_text()), checkpoint)
     assert prep.settings == family.vision_settings(EngineConfig(timestamps=timestamps, temporal_step="actual"))
+
+
+DECODER_RESIZE = """
+import json, sys
+from batchjob.engine import resize
+calls = {"torch": 0}
+real = resize._torch_resize
+def counting(*args, **kwargs):
+    out = real(*args, **kwargs)
+    calls["torch"] += out is not None
+    return out
+resize._torch_resize = counting
+from batchjob.config import ModelConfig
+from batchjob.pipeline.actors import Decoder
+from batchjob.pipeline.engines import input_preparer
+decoder = Decoder("pyav_keyframes", 4, {}, input_preparer(ModelConfig(checkpoint=sys.argv[1], max_pixels=28 * 28 * 8)))
+status, payload = decoder.decode(sys.argv[2])
+print(json.dumps({"ok": status.ok, "error": status.error, "grid": list(payload.grid_thw), "torch_resizes": calls["torch"]}))
+"""
+
+
+def test_decoders_resize_with_torchs_kernel_when_torch_is_installed(checkpoint, tmp_path):
+    """The MLX engine hides torch in its own actor only: a decoder (fresh process, as Ray starts one) with the
+    engine's preparer resizes through PyTorch's uint8 kernel, not the slow numpy fallback."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    from batchjob.synthetic.clips import make_clip
+
+    clip = tmp_path / "clip.mp4"
+    make_clip(clip, width=320, height=240, seconds=2.0, seed=int(np.random.default_rng().integers(1000)))
+    proc = subprocess.run([sys.executable, "-c", DECODER_RESIZE, str(checkpoint), str(clip)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ok"], out["error"]
+    assert out["torch_resizes"] == 1 and out["grid"][1] * 14 < 240   # resized down, by torch
