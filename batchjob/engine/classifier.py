@@ -22,7 +22,7 @@ from batchjob.metal_backend.selection import gpu_portable_attention
 from .attention import install_paged_attention
 from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .device import EngineRuntime, dtype_name
-from .preprocess import check_frames, check_prepared, image_processor, plan_video, preprocess_video
+from .preprocess import check_frames, check_prepared, plan_video, preprocess_video
 from .prompt import PromptBuilder
 from .runner import forward
 from .scheduler import Scheduler, Sequence
@@ -91,7 +91,6 @@ class Classifier:
         num_blocks = min(num_blocks, -(-cap_tokens // config.block_size))
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(num_layers, num_blocks, config.block_size, kv_heads, head_dim, checkpoint.dtype)
-        self._processor = image_processor(checkpoint.vision)
         self._features = VideoFeatureCache(config.block_size)
         self.vision_calls = 0  # vision-tower runs (each encodes one clip); the sharing tests count them
         self._call_ids = itertools.count()
@@ -137,8 +136,7 @@ class Classifier:
             found = self._features.get(seq.media_key, lo, hi)   # a clip encoded earlier in this step is there too
             if found is None:
                 clip = requests[seq.index].clip
-                inputs = clip.inputs or preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision,
-                                                         self._processor)
+                inputs = clip.inputs or preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision)
                 if inputs.grid_thw != seq.grid_thw:
                     raise RuntimeError(f"processor grid {inputs.grid_thw} != planned {seq.grid_thw} for {clip.media_id}")
                 found = self._features.put_clip(seq.media_key, self.checkpoint.family.encode_video(

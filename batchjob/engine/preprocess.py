@@ -14,6 +14,7 @@ group's time as text (`group_timestamps`).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -252,7 +253,12 @@ def check_prepared(inputs: VideoInputs, settings: VisionSettings) -> None:
                          f"match grid {inputs.grid_thw} ({gt * gh * gw} patches x {width})")
 
 
-def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSettings, processor=None) -> VideoInputs:
+@functools.lru_cache(maxsize=32)
+def _sized_processor(settings: VisionSettings, size: tuple[int, int]):
+    return image_processor(settings, size)
+
+
+def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSettings) -> VideoInputs:
     """Pixel values and grid for one clip (see the module docstring for the method)."""
     check_frames(frames)
     plan = plan_video(frames.shape, metadata, settings)
@@ -263,11 +269,12 @@ def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSetting
     # Resize as the *video* processor does (torchvision's fixed-point pass), so the image processor below only
     # rescales, normalises and patchifies: PIL's own resize rounds between passes and drifts off it.
     p = settings.patch_size
-    frames = resize_frames(frames, plan.grid_thw[1] * p, plan.grid_thw[2] * p)
-    if settings.pixel_budget == "clip":  # the size depends on the clip: a processor for this clip's size
-        processor = image_processor(settings, (plan.grid_thw[1] * p, plan.grid_thw[2] * p))
-    processor = processor or image_processor(settings)
-    out = processor(list(frames), return_tensors="np")
+    size = (plan.grid_thw[1] * p, plan.grid_thw[2] * p)
+    frames = resize_frames(frames, *size)
+    # The frames are at the planned size: the processor must not plan again. smart_resize is not idempotent
+    # (where max_pixels forces a size under min_pixels, a second call grows it), and the video processor
+    # plans once.
+    out = _sized_processor(settings, size)(list(frames), return_tensors="np")
     grids = out["image_grid_thw"]
     _, gh, gw = (int(v) for v in grids[0])
     if (gh, gw) != plan.grid_thw[1:]:

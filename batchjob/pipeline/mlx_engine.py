@@ -48,7 +48,7 @@ class MlxClipPreparer:
 
         if self._processor is None:
             self.warm_up()
-        return preprocess_video(frames, metadata.as_dict(), self.settings, self._processor)
+        return preprocess_video(frames, metadata.as_dict(), self.settings)
 
     def __getstate__(self) -> dict:
         return {"settings": self.settings, "_processor": None}   # the processor is rebuilt where it runs

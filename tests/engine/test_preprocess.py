@@ -174,6 +174,19 @@ def test_plan_matches_what_preprocessing_makes(trial, rng):
     assert out.pixel_values.shape == (np.prod(plan.grid_thw), 3 * 2 * 14 * 14) and out.settings == settings
 
 
+@pytest.mark.parametrize("h,w,min_px,max_px", [(28, 210, 784, 3920), (203, 28, 784, 3920), (40, 290, 2352, 3920)])
+def test_the_processor_does_not_plan_again(h, w, min_px, max_px, rng):
+    """smart_resize is not idempotent at extreme aspect ratios (28x210 under 3,920 pixels plans 28x168, which a
+    second call shrinks to 28x140): the frames are resized once, to the plan, as the video processor does."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    first = smart_resize(h, w, 28, min_px, max_px)
+    assert smart_resize(*first, 28, min_px, max_px) != first, "the case no longer exercises a second resize"
+    settings = VisionSettings(min_pixels=min_px, max_pixels=max_px)
+    out = preprocess_video(rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8), {"fps": 25.0}, settings)
+    assert out.grid_thw == (1, first[0] // 14, first[1] // 14)
+
+
 def test_prepared_inputs_are_checked_against_the_settings(rng):
     import dataclasses
 
