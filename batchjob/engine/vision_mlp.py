@@ -1,10 +1,11 @@
-"""The vision towers' gated MLP as one GEMM-friendly matmul pair.
+"""The vision towers' MLPs at GEMM-friendly widths.
 
 Qwen2.5-VL's vision MLP is `down(silu(gate(x)) * up(x))` with an intermediate width of 3420, which is not a
 multiple of the GPU GEMM tile (128): MLX's CUDA matmuls at that width run at a fraction of the rate they reach
 at 3456. Padding the intermediate axis with zero rows (gate/up) and zero columns (down) changes no value
 (`silu(0) * 0 = 0`, and zero products add nothing), and gate and up become one matmul of twice the width.
 The swap happens once at load (`fuse_gated_mlps`), on the loaded module, so mlx-vlm's own forward uses it too.
+Qwen3-VL's plain `fc2(gelu(fc1(x)))` (width 4304) is padded the same way in place (`pad_plain_mlps`; gelu(0) = 0).
 """
 
 from __future__ import annotations
@@ -64,3 +65,24 @@ def fuse_gated_mlps(blocks) -> int:
         block.mlp = FusedGatedMLP(*parts)
         replaced += 1
     return replaced
+
+
+def pad_plain_mlps(blocks) -> int:
+    """Zero-pad each block's `linear_fc1` outputs and `linear_fc2` inputs to the GEMM tile, in place (the
+    activation must map 0 to 0, as GELU does); quantized or already aligned MLPs are left alone."""
+    padded = 0
+    for block in blocks:
+        mlp = getattr(block, "mlp", None)
+        fc1, fc2 = getattr(mlp, "linear_fc1", None), getattr(mlp, "linear_fc2", None)
+        if type(fc1) is not nn.Linear or type(fc2) is not nn.Linear:
+            continue
+        inter = fc1.weight.shape[0]
+        pad = _padded(inter) - inter
+        if not pad:
+            continue
+        fc1.weight = mx.pad(fc1.weight, [(0, pad), (0, 0)])
+        if "bias" in fc1:
+            fc1.bias = mx.pad(fc1.bias, [(0, pad)])
+        fc2.weight = mx.pad(fc2.weight, [(0, 0), (0, pad)])
+        padded += 1
+    return padded

@@ -199,3 +199,26 @@ def test_fuse_leaves_quantized_mlps_alone(checkpoint_dir):
     block.mlp.up_proj = nn.QuantizedLinear.from_linear(nn.Linear(64, 96), group_size=32, bits=4)
     assert fuse_gated_mlps(tower.blocks) == len(tower.blocks) - 1
     assert hasattr(tower.blocks[0].mlp, "up_proj")
+
+
+@pytest.mark.parametrize("inter,approx", [(64, "tanh"), (100, "none"), (4304 // 8, "tanh")])
+def test_padded_plain_mlp_keeps_its_values(rng, inter, approx):
+    """Qwen3-VL's `fc2(gelu(fc1(x)))` zero-padded in place to the GEMM tile: same output (gelu(0) = 0)."""
+    import types
+
+    import mlx.nn as nn
+
+    from batchjob.engine.vision_mlp import GEMM_TILE, pad_plain_mlps
+
+    hidden = 48
+    mx.random.seed(int(rng.integers(1 << 30)))
+    mlp = nn.Module()
+    mlp.linear_fc1, mlp.linear_fc2 = nn.Linear(hidden, inter), nn.Linear(inter, hidden)
+    act = nn.GELU(approx=approx)
+    x = mx.array(rng.standard_normal((29, hidden)).astype(np.float32))
+    want = mlp.linear_fc2(act(mlp.linear_fc1(x)))
+    block = types.SimpleNamespace(mlp=mlp)
+    assert pad_plain_mlps([block]) == (1 if inter % GEMM_TILE else 0)
+    assert mlp.linear_fc1.weight.shape[0] % GEMM_TILE == 0 and mlp.linear_fc2.weight.shape[1] % GEMM_TILE == 0
+    assert float(mx.abs(mlp.linear_fc2(act(mlp.linear_fc1(x))) - want).max()) <= 1e-5
+    assert pad_plain_mlps([block]) == 0   # already aligned
