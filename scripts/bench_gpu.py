@@ -35,11 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-REAL_7B = dict(hidden=3584, layers=28, heads=28, kv_heads=4, inter=18944, v_depth=32, v_hidden=1280, v_heads=16,
-               v_inter=3420, fullatt=(7, 15, 23, 31))
-SMOKE = dict(hidden=256, layers=2, heads=4, kv_heads=2, inter=512, v_depth=4, v_hidden=128, v_heads=2, v_inter=256,
-             fullatt=(1, 3))  # --smoke: the same code path on a CPU in seconds (no torch, no figures worth quoting)
-DIMS = dict(REAL_7B)
+from batchjob.synthetic.random_engine import QWEN25_VL_7B, SMOKE, build_random_model, scaled_config
+
+DIMS = dict(QWEN25_VL_7B)
 QUESTIONS = ["What is the person doing in the video?", "Which object moves first?",
              "Where does the action take place?", "What happens right after the door opens?"]
 
@@ -142,22 +140,6 @@ def torch_matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
 
 
 # --- models ----------------------------------------------------------------------------------------------
-def config_7b(tiny_dir: Path, layers: int, v_layers: int) -> dict:
-    cfg = json.loads((tiny_dir / "config.json").read_text())
-    d = DIMS
-    hd = d["hidden"] // d["heads"]
-    half = hd // 2
-    cfg.update(hidden_size=d["hidden"], num_hidden_layers=layers, num_attention_heads=d["heads"],
-               num_key_value_heads=d["kv_heads"], intermediate_size=d["inter"], max_window_layers=layers,
-               torch_dtype="bfloat16", initializer_range=0.02)
-    cfg["rope_scaling"] = {"type": "mrope", "mrope_section": [half - 2 * (half * 3 // 8), half * 3 // 8, half * 3 // 8]}
-    cfg["vision_config"].update(depth=v_layers, hidden_size=d["v_hidden"], num_heads=d["v_heads"],
-                                intermediate_size=d["v_inter"], out_hidden_size=d["hidden"],
-                                fullatt_block_indexes=[i for i in d["fullatt"] if i < v_layers],
-                                initializer_range=0.02)
-    return cfg
-
-
 def make_workload(clf, rng, clips: int, questions: int, frames: int, size, tag: str):
     from batchjob.engine import ClassifyRequest, Clip
     from batchjob.engine.preprocess import preprocess_video
@@ -382,7 +364,6 @@ def main() -> None:
 
     from batchjob.engine import Classifier, EngineConfig
     from batchjob.engine.checkpoint import load_checkpoint
-    from batchjob.synthetic.random_engine import build_random_model
     from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
 
     report: dict = {"environment": environment(), "args": vars(args)}
@@ -398,7 +379,7 @@ def main() -> None:
     tiny_dir = write_tiny_checkpoint(tmp / "tiny", spec)
     big_dir = tmp / "big"
     big_dir.mkdir()
-    cfg = config_7b(tiny_dir, args.layers, args.vision_layers)
+    cfg = scaled_config(json.loads((tiny_dir / "config.json").read_text()), DIMS, args.layers, args.vision_layers)
     (big_dir / "config.json").write_text(json.dumps(cfg))
     for f in tiny_dir.iterdir():
         if f.name not in ("config.json", "model.safetensors"):
