@@ -75,14 +75,10 @@ def _pass(x: np.ndarray, out_size: int) -> np.ndarray:
     return np.clip(acc >> precision, 0, 255).astype(np.uint8)
 
 
-def _torch_resize(frames: np.ndarray, height: int, width: int) -> np.ndarray | None:
-    """PyTorch's uint8 antialiased bicubic, called as torchvision calls it; None when torch is not installed."""
-    if os.environ.get("BATCHJOB_RESIZE", "auto") == "numpy":
-        return None
-    try:
-        import torch
-    except ImportError:
-        return None
+def _torch_kernel(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """PyTorch's uint8 antialiased bicubic, called as torchvision calls it (an ImportError names torch)."""
+    import torch
+
     # A channels-last view: PyTorch's vectorised uint8 kernel reads it directly (same bytes as NCHW, tested).
     x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
     with torch.inference_mode():
@@ -91,15 +87,26 @@ def _torch_resize(frames: np.ndarray, height: int, width: int) -> np.ndarray | N
     return np.ascontiguousarray(x.permute(0, 2, 3, 1).numpy())
 
 
+def _torch_resize(frames: np.ndarray, height: int, width: int) -> np.ndarray | None:
+    """`_torch_kernel` where torch is installed and not refused by `BATCHJOB_RESIZE=numpy`; None otherwise."""
+    if os.environ.get("BATCHJOB_RESIZE", "auto") == "numpy":
+        return None
+    try:
+        return _torch_kernel(frames, height, width)
+    except ImportError:
+        return None
+
+
 def resize_frames(frames: np.ndarray, height: int, width: int, backend: str = "auto") -> np.ndarray:
     """uint8 [T, H, W, C] -> uint8 [T, height, width, C], as torchvision resizes a uint8 video.
 
     `backend`: "auto" (torch's kernel when importable, else numpy), "numpy" or "torch"."""
     if frames.shape[1:3] == (height, width):
         return frames
-    if backend != "numpy":
-        out = _torch_resize(frames, height, width) if backend == "auto" else _torch_resize_required(frames, height,
-                                                                                                    width)
+    if backend == "torch":
+        return _torch_kernel(frames, height, width)
+    if backend == "auto":
+        out = _torch_resize(frames, height, width)
         if out is not None:
             return out
     out = frames
@@ -108,14 +115,3 @@ def resize_frames(frames: np.ndarray, height: int, width: int, backend: str = "a
     if frames.shape[1] != height:
         out = np.ascontiguousarray(_pass(np.ascontiguousarray(out.transpose(1, 0, 2, 3)), height).transpose(1, 0, 2, 3))
     return out
-
-
-def _torch_resize_required(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    import torch  # noqa: F401  (an ImportError here names the missing package)
-
-    saved = os.environ.pop("BATCHJOB_RESIZE", None)
-    try:
-        return _torch_resize(frames, height, width)
-    finally:
-        if saved is not None:
-            os.environ["BATCHJOB_RESIZE"] = saved
