@@ -25,9 +25,6 @@ import dataclasses
 import datetime
 import gc
 import json
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,15 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
+import benchlib.env
 from batchjob.synthetic.random_engine import QWEN25_VL_7B, SMOKE, build_random_model, scaled_config
+from benchlib.ceilings import median, mlx_matmul_ceiling, torch_matmul_ceiling
 
 DIMS = dict(QWEN25_VL_7B)
 QUESTIONS = ["What is the person doing in the video?", "Which object moves first?",
              "Where does the action take place?", "What happens right after the door opens?"]
-
-
-def median(xs):
-    return float(statistics.median(xs))
 
 
 # --- FLOP counts (multiply-adds x 2) ---------------------------------------------------------------------
@@ -82,61 +77,7 @@ def request_flops(prompt_len: int, cached: int, layers: int) -> float:
 
 # --- environment -----------------------------------------------------------------------------------------
 def environment() -> dict:
-    import mlx.core as mx
-    import torch
-    import transformers
-
-    info = {"python": platform.python_version(), "mlx": mx.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
-    try:
-        import mlx_vlm
-
-        info["mlx_vlm"] = mlx_vlm.__version__
-    except Exception:
-        pass
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.strip()
-        name, driver, memory = [s.strip() for s in out.splitlines()[0].split(",")]
-        info.update(gpu=name, driver=driver, gpu_memory=memory)
-    except Exception as exc:
-        info.update(gpu=f"unknown ({exc})", driver="unknown")
-    return info
-
-
-def mlx_matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
-    import mlx.core as mx
-
-    a = mx.random.normal((n, n)).astype(mx.bfloat16)
-    b = mx.random.normal((n, n)).astype(mx.bfloat16)
-    mx.eval(a, b)
-    for _ in range(3):
-        mx.eval(a @ b)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(a @ b)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / median(times)
-
-
-def torch_matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
-    import torch
-
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * n**3 / median(times)
+    return benchlib.env.environment(("mlx.core", "torch", "transformers", "mlx_vlm"))
 
 
 # --- models ----------------------------------------------------------------------------------------------
@@ -618,10 +559,8 @@ def summarize(report: dict, args) -> None:
     env = report["environment"]
     date = datetime.date.today().isoformat()
     gpu = str(env.get("gpu", "gpu")).replace(" ", "-").replace("/", "-")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{gpu}-{date}-L{args.layers}-V{args.vision_layers}.json"
-    path.write_text(json.dumps(report, indent=1, default=float) + "\n")
+    path = Path(args.out) / f"{gpu}-{date}-L{args.layers}-V{args.vision_layers}.json"
+    benchlib.env.save_json(report, path)
     print(f"\n{env.get('gpu')}, {date}, Qwen2.5-VL-7B shape, {args.layers}/28 text layers, {args.vision_layers}/32 "
           f"vision blocks, {eng['requests']} requests; ceilings MLX {ceil_m / 1e12:.0f} / torch {ceil_t / 1e12:.0f} "
           f"TFLOP/s")

@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -50,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+import benchlib.env
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -586,36 +586,16 @@ def table(methods: dict) -> str:
 
 
 def environment() -> dict:
-    info = {"python": platform.python_version(), "machine": platform.platform(), "cpus": os.cpu_count(),
-            "command": " ".join([HERE.name] + sys.argv[1:])}
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout.strip()
-        name, driver, memory = [s.strip() for s in out.splitlines()[0].split(",")]
-        info.update(gpu=name, driver=driver, gpu_memory=memory, gpus=len(out.splitlines()))
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        info.update(gpu="cpu", gpus=0)
-    import importlib
-
-    for mod in ("av", "ray", "mlx.core", "cv2"):
-        try:
-            info[mod.split(".")[0]] = importlib.import_module(mod).__version__
-        except Exception as exc:      # report, don't fail: the runs say what breaks
-            info[mod] = f"missing ({type(exc).__name__})"
-    return info
+    return benchlib.env.environment(("av", "ray", "mlx.core", "cv2"))
 
 
 def results_path(out: Path, env: dict, smoke: bool) -> Path:
-    gpu = str(env.get("gpu", "gpu")).replace(" ", "-").replace("/", "-")
-    return out / f"pipeline-{gpu}-{datetime.date.today().isoformat()}{'-smoke' if smoke else ''}.json"
+    return benchlib.env.results_path(out, env, "pipeline", "-smoke" if smoke else "")
 
 
 def save(report: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     report["figures"] = figures(report["methods"])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=float) + "\n")
-    tmp.rename(path)
+    benchlib.env.save_json(report, path)
 
 
 # --- main ---------------------------------------------------------------------------------------------------
