@@ -44,6 +44,15 @@ def _summary_table(stats, summary: dict | None) -> Table:
     if stats.engine_runtime:
         rt = stats.engine_runtime
         t.add_row("engine", f"{rt.get('device')} {rt.get('dtype')}, attention {rt.get('attention_backend')}")
+    if stats.memory:
+        m = stats.memory
+        t.add_row("memory budget", f"{m['budget_gb']:g} GiB ({m['budget_source']}); {m['device']} "
+                  f"{m['device_memory_gb']:g} GiB, weights {m['weights_gb']:g} GiB, KV {m['kv_blocks']} blocks "
+                  f"({m['kv_gb']:g} GiB)")
+    if stats.startup is not None and stats.startup.steps:
+        st = stats.startup
+        steps = ", ".join(f"{s.name} {s.seconds:.1f}" for s in st.steps if s.seconds >= 0.05)
+        t.add_row("start-up", f"{st.total_s:.1f} s to the first answer ({steps})")
     if len(stats.decode_nodes) > 1:
         t.add_row("decode nodes", str(len(stats.decode_nodes)))
     for label, value in _pipeline_rows(stats):
@@ -79,6 +88,10 @@ def _pipeline_rows(stats) -> list[tuple[str, str]]:
         rows.append(("bound by", stats.bound_by))
     if stats.peak_rss_mb:
         rows.append(("driver peak memory", f"{stats.peak_rss_mb:.0f} MB"))
+    decoders = stats.actor_peak_rss_mb.get("decoders") or []
+    if stats.host_peak_mb is not None and decoders:
+        rows.append(("host peak memory", f"{stats.host_peak_mb:.0f} MB over the job's processes (decoders "
+                     f"{min(decoders):.0f}-{max(decoders):.0f} MB each)"))
     return rows
 
 

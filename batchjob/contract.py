@@ -133,11 +133,20 @@ class BatchAnswers:
 
 
 @dataclass(frozen=True)
+class StartupStep:
+    """One step of a start-up, in the order it ran: steps of one list follow each other, so they add up."""
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class EngineDescription:
-    """Who answered, for the output's metadata: engine name, model id and the settings that shaped answers."""
+    """Who answered, for the output's metadata: engine name, model id and the settings that shaped answers.
+    `startup` is the engine's load, step by step (empty when the engine does not say)."""
     engine: str
     model_id: str
     details: Mapping[str, Any] = field(default_factory=dict)
+    startup: tuple[StartupStep, ...] = ()
 
 
 @runtime_checkable

@@ -14,6 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from batchjob.startup import StepClock
+
 from .device import activate, resolve_dtype, select_device
 from .families import ModelFamily, family_for, supported_model_types
 from .preprocess import VisionSettings
@@ -70,30 +72,38 @@ def _check_files(path: Path) -> None:
         raise EngineError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them in")
 
 
-def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedCheckpoint:
+def load_checkpoint(model: str | os.PathLike, config: EngineConfig, clock: StepClock | None = None) -> LoadedCheckpoint:
+    """`clock` (optional) gets one mark per load step: imports, files, device, weights, cast, tokenizer."""
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import load_model
     from transformers import AutoTokenizer
 
+    clock = clock or StepClock()
+    clock.mark("imports")
     path = resolve_model_dir(model)
     hf_config = _read_config(path)
     family = family_for(hf_config, path)
     _check_files(path)
     vision = family.vision_settings(config)
+    clock.mark("checkpoint_files")
     device = select_device(config.device)
     activate(device)
+    clock.mark("device_init")
     try:
         mlx_model = load_model(path)
     except Exception as exc:
         raise EngineError(f"{path}: mlx-vlm could not build the model ({type(exc).__name__}: {exc})") from exc
+    clock.mark("weights_read")
     family.fix_model(mlx_model)
     dtype = resolve_dtype(config.dtype, device)
     mlx_model.set_dtype(dtype)
     mx.eval(mlx_model.parameters())
+    clock.mark("weights_cast")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise EngineError(f"{path}: the tokenizer could not be loaded ({type(exc).__name__}: {exc})") from exc
+    clock.mark("tokenizer")
     return LoadedCheckpoint(
         model=mlx_model,
         model_type=hf_config["model_type"],

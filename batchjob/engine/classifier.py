@@ -15,13 +15,16 @@ from typing import Sequence as Seq
 import mlx.core as mx
 import numpy as np
 
-from batchjob.metal_backend import (BlockPool, KVCache, KVCacheBudgetError, paged_attention, plan_num_blocks,
-                                    select_attention_backend, select_cuda_backend)
+from batchjob.metal_backend import (BlockPool, KVCache, kv_bytes_per_block, paged_attention, select_attention_backend,
+                                    select_cuda_backend)
 from batchjob.metal_backend.selection import gpu_portable_attention
+
+from batchjob.startup import StepClock
 
 from .attention import install_paged_attention
 from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .device import EngineRuntime, dtype_name
+from .memory_budget import MemoryBudgetError, MemoryPlan, activation_bytes, plan_memory, read_device_memory
 from .preprocess import check_frames, check_prepared, plan_video, preprocess_video
 from .prompt import PromptBuilder
 from .runner import forward
@@ -36,10 +39,31 @@ log = logging.getLogger(__name__)
 KV_REQUESTS_CAP = 4
 
 
-def _default_budget_bytes() -> int:
-    """Three quarters of physical memory (the rest for decoders, Ray and the OS); the KV pool is capped
-    separately (KV_REQUESTS_CAP), so this bounds what a large model may take, not what a small one does."""
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.75)
+def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_layers: int, device_memory=None
+                       ) -> MemoryPlan:
+    """The budget for this engine from the device it runs on (read after the weights are resident), and the
+    KV blocks it buys; the pool holds at most KV_REQUESTS_CAP maximum-size requests."""
+    lm = checkpoint.model.language_model
+    kv_heads, head_dim = checkpoint.family.kv_shape(lm)   # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
+    dtype_bytes = mx.zeros((), dtype=checkpoint.dtype).itemsize
+    per_block = kv_bytes_per_block(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                                   dtype_bytes=dtype_bytes, block_size=config.block_size)
+    cap_tokens = KV_REQUESTS_CAP * max(config.max_model_len, config.max_num_batched_tokens)
+    text = checkpoint.hf_config.get("text_config") or checkpoint.hf_config
+    activation = activation_bytes(tokens=config.max_num_batched_tokens, hidden=int(text["hidden_size"]),
+                                  intermediate=int(text.get("intermediate_size", 4 * text["hidden_size"])),
+                                  dtype_bytes=dtype_bytes)
+    if device_memory is None:
+        mx.clear_cache()   # buffers freed while loading are still counted as used by the driver
+        device_memory = read_device_memory(checkpoint.device)
+    try:
+        return plan_memory(device=device_memory,
+                           requested_gb=config.memory_budget_gb, weights_bytes=checkpoint.weights_bytes,
+                           activation=activation, kv_block_bytes=per_block, block_size=config.block_size,
+                           blocks_per_request=-(-config.max_model_len // config.block_size),
+                           max_blocks=-(-cap_tokens // config.block_size))
+    except MemoryBudgetError as exc:
+        raise EngineError(str(exc)) from exc
 
 
 def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tuple[str, str, object]:
@@ -67,40 +91,40 @@ def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tup
 class Classifier:
     """Prefill-only VLM classifier over a paged KV cache; see `from_pretrained`."""
 
-    def __init__(self, checkpoint: LoadedCheckpoint, config: EngineConfig):
+    def __init__(self, checkpoint: LoadedCheckpoint, config: EngineConfig, clock: StepClock | None = None):
+        clock = clock or StepClock()
         self.config = config
         self.checkpoint = checkpoint
         self.model_id = checkpoint.model_id
         self.prompts = PromptBuilder(checkpoint.tokenizer, config, checkpoint.video_token_id, str(checkpoint.path))
         self.attention_backend, reason, self._attention = _select_attention(config, checkpoint)
         self.runtime = EngineRuntime(checkpoint.device, dtype_name(checkpoint.dtype), self.attention_backend, reason)
+        clock.mark("attention_select")
         self._device = mx.cpu if checkpoint.device == "cpu" else mx.gpu  # pinned: several engines may share a process
         lm = checkpoint.model.language_model
         num_layers = install_paged_attention(lm)
-        kv_heads, head_dim = checkpoint.family.kv_shape(lm)  # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
-        budget = (int(config.memory_budget_gb * 2**30) if config.memory_budget_gb else _default_budget_bytes())
-        dtype_bytes = mx.zeros((), dtype=checkpoint.dtype).itemsize
-        try:
-            num_blocks = plan_num_blocks(
-                memory_budget_bytes=budget, weights_bytes=checkpoint.weights_bytes, num_layers=num_layers,
-                num_kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, block_size=config.block_size,
-                max_model_len=config.max_model_len)
-        except KVCacheBudgetError as exc:
-            raise EngineError(str(exc)) from exc
-        cap_tokens = KV_REQUESTS_CAP * max(config.max_model_len, config.max_num_batched_tokens)
-        num_blocks = min(num_blocks, -(-cap_tokens // config.block_size))
+        kv_heads, head_dim = checkpoint.family.kv_shape(lm)
+        self.memory = plan_engine_memory(checkpoint, config, num_layers)
+        num_blocks = self.memory.kv_blocks
+        log.info("memory budget %.1f GiB (%s): %d KV blocks", self.memory.budget_bytes / 2**30, self.memory.source,
+                 num_blocks)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(num_layers, num_blocks, config.block_size, kv_heads, head_dim, checkpoint.dtype)
         self._features = VideoFeatureCache(config.block_size)
         self.vision_calls = 0  # vision-tower runs (each encodes one clip); the sharing tests count them
         self._call_ids = itertools.count()
+        clock.mark("kv_cache")
+        self.startup = tuple(clock.steps)
 
     @classmethod
-    def from_pretrained(cls, model: str | os.PathLike, config: EngineConfig | None = None) -> "Classifier":
-        """Load a checkpoint of a supported family (directory or hub id); EngineError on any load problem."""
+    def from_pretrained(cls, model: str | os.PathLike, config: EngineConfig | None = None,
+                        clock: StepClock | None = None) -> "Classifier":
+        """Load a checkpoint of a supported family (directory or hub id); EngineError on any load problem.
+        `clock` gets a mark per load step (`startup` lists them)."""
         config = config or EngineConfig()
         config.validate()
-        return cls(load_checkpoint(model, config), config)
+        clock = clock or StepClock()
+        return cls(load_checkpoint(model, config, clock), config, clock)
 
     # --- request preparation ---------------------------------------------------------------------------
     def _prepare(self, index: int, request: ClassifyRequest, call_id: int) -> Sequence:

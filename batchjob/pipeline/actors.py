@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from batchjob.config import ModelConfig, PromptConfig
-from batchjob.contract import BatchAnswers, ClipMetadata, DecodeStatus, EngineClip, EngineDescription, InputPreparer
+from batchjob.contract import (BatchAnswers, ClipMetadata, DecodeStatus, EngineClip, EngineDescription, InputPreparer,
+                               StartupStep)
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,13 @@ class Decoder:
                 log.warning("decoder on %s: input preparation unavailable (%s: %s); sending frames",
                             self.node, type(err).__name__, err)
                 self.prepare = None
+        self.ready_at = time.time()   # wall clock: the driver compares it with its own launch time
 
     def node_id(self) -> str:
         return self.node
+
+    def ready_time(self) -> float:
+        return self.ready_at
 
     def peak_rss_mb(self) -> float:
         from batchjob.pipeline.stats import peak_rss_mb
@@ -90,7 +95,9 @@ class Decoder:
 class EngineHost:
     """Holds one engine (model weights, KV cache) for the whole job."""
 
-    def __init__(self, model: ModelConfig, prompt: PromptConfig, cpus: float = 1.0):
+    def __init__(self, model: ModelConfig, prompt: PromptConfig, cpus: float = 1.0, created_at: float | None = None):
+        entered = time.time()
+        t0 = time.perf_counter()
         from batchjob.engine.process_setup import keep_torch_out, set_blas_threads
         from batchjob.pipeline.engines import resolve_engine
 
@@ -98,10 +105,20 @@ class EngineHost:
         if engine_cls.hides_torch:
             keep_torch_out()
         set_blas_threads(cpus)   # the CPUs Ray reserved for this actor, no more
+        t1 = time.perf_counter()
         self.engine = engine_cls.load(model, prompt)
+        self._host_steps = (StartupStep("actor_process", max(0.0, entered - created_at) if created_at else 0.0),
+                            StartupStep("engine_module", t1 - t0))
+        self._load_s = time.perf_counter() - t1
 
     def describe(self) -> EngineDescription:
-        return self.engine.describe()
+        """The engine's own description, its start-up completed with the host's steps (the process start and
+        the engine module's import) and whatever of its load the engine did not itemise."""
+        d = self.engine.describe()
+        itemised = sum(s.seconds for s in d.startup)
+        rest = (StartupStep("load_other", self._load_s - itemised),) if d.startup else (
+            StartupStep("load", self._load_s),)
+        return dataclasses.replace(d, startup=(*self._host_steps, *d.startup, *rest))
 
     def peak_rss_mb(self) -> float:
         from batchjob.pipeline.stats import peak_rss_mb
@@ -134,4 +151,4 @@ def make_engines(n: int, cpus: float, model: ModelConfig, prompt: PromptConfig, 
     # max_restarts=0: a replica whose process died stays dead; the driver fails only the clips it held and
     # goes on with the others (a restart would reload the whole model, and a clip that killed it may again).
     cls = ray.remote(EngineHost).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_task_retries=0)
-    return [cls.remote(model, prompt, cpus) for _ in range(n)]
+    return [cls.remote(model, prompt, cpus, time.time()) for _ in range(n)]

@@ -46,6 +46,7 @@ class Driver:
         # The run's start, for throughput in reports: the caller passes when the job began (Ray start-up
         # and model load included), so `batchjob report` shows what a user waits for.
         self.run_started_at = run_started_at or datetime.now(timezone.utc)
+        self.first_row_at: float | None = None   # perf_counter when the first row was written (start-up's end)
 
     # -- rows ------------------------------------------------------------------------------------
     def _emit(self, clip: ClipWork, answers: dict[str, Answer], engine_ms: float | None, error: str | None) -> None:
@@ -59,6 +60,8 @@ class Driver:
         self.stats.done_clips += 1
         self.stats.error_rows += sum(1 for r in rows if r["error"])
         self.write(rows)
+        if self.first_row_at is None:
+            self.first_row_at = time.perf_counter()
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self, clips: list[ClipWork]) -> None:

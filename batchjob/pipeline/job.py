@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from batchjob.config import ConfigError, JobConfig, check_paths
+from batchjob.contract import StartupStep
 from batchjob.datasets import Row, load_rows
 from batchjob.pipeline.driver import Driver, RunStats
 from batchjob.pipeline.output import PartWriter, lock_output, prepare_output
@@ -84,22 +85,33 @@ def run_job(cfg: JobConfig, *, restart: bool = False, retry_errors: bool = False
     `retry_errors`: run only the rows that are error rows in the output and replace them in place."""
     import time
 
+    from batchjob.startup import StepClock, seconds_since_launch
+
     t0 = time.perf_counter()
+    launched = seconds_since_launch()
+    clock = StepClock(t0 - launched if launched is not None else t0)
+    clock.mark("launch")     # the interpreter, the CLI's imports (and its BLAS re-exec)
     started_at = datetime.now(timezone.utc)
     rows = preflight(cfg)
+    clock.mark("preflight")
     manifest = {"job": cfg.job, "config": cfg.model_dump(), "versions": versions()}
     out_dir = Path(cfg.output.directory)
     lock_fd = lock_output(out_dir)
     try:
-        return _run_locked(cfg, rows, manifest, restart, t0, started_at, on_start, on_progress, retry_errors)
+        return _run_locked(cfg, rows, manifest, restart, t0, started_at, on_start, on_progress, retry_errors, clock)
     finally:
         os.close(lock_fd)
 
 
 def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, t0: float, started_at: datetime,
                 on_start: Callable[[RunStats], None] | None,
-                on_progress: Callable[[RunStats], None] | None, retry_errors: bool = False) -> RunStats:
+                on_progress: Callable[[RunStats], None] | None, retry_errors: bool = False,
+                clock: "StepClock | None" = None) -> RunStats:
     import time
+
+    from batchjob.startup import Startup, StepClock
+
+    clock = clock or StepClock(t0)
 
     import ray
 
@@ -124,8 +136,13 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         on_start(stats)
     if not clips:
         return stats
+    clock.mark("output_scan")     # the lock, the resume scan of the output, the clip plan
+    launched_wall = time.time() - (time.perf_counter() - clock.origin)
     started = start_ray(rt.ray_address, cpus_to_start(cfg))
+    clock.mark("ray_start")
     previous = _catch_sigterm()
+    driver: Driver | None = None
+    stream_start: float | None = None
     writer: PartWriter | None = None
     decoders: list = []
     engines: list = []
@@ -143,11 +160,13 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
             lines = [ln.strip() for ln in str(getattr(err, "cause", None) or err).splitlines() if ln.strip()]
             raise EngineStartError(f"engine {cfg.model.engine!r} could not load {cfg.model.checkpoint}: "
                                    f"{lines[-1] if lines else type(err).__name__}") from None
+        clock.mark("engine_load")    # actors created; every replica's model loaded (decoders start meanwhile)
         stats.model = described[0].model_id
+        stats.memory = dict(described[0].details.get("memory") or {})
         # Who answered goes into every part's metadata (next to the config and versions).
         engine_info = {"engine": described[0].engine, "model_id": described[0].model_id,
                        **dict(described[0].details)}
-        stats.engine_runtime = {k: str(v) for k, v in described[0].details.items()}
+        stats.engine_runtime = {k: str(v) for k, v in described[0].details.items() if k != "memory"}
         writer = parts = PartWriter(write_dir, {**manifest, "fingerprint": fingerprint, "engine": engine_info},
                                     cfg.output.rows_per_part, cfg.output.flush_seconds)
         if _terminate.is_set():          # SIGTERM while the model loaded
@@ -161,11 +180,19 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
             if on_progress:
                 on_progress(s)
 
-        Driver(cfg, RayWorkers(decoders, engines), stats.model, parts.add, stats, progress, started_at).run(clips)
+        driver = Driver(cfg, RayWorkers(decoders, engines), stats.model, parts.add, stats, progress, started_at)
+        stats.startup = Startup(engine=list(described[0].startup))
+        stream_start = clock.mark("writer")
+        driver.run(clips)
     finally:
         if writer is not None:
             writer.flush()   # finished rows are complete rows: keep them even when the run fails
             stats.actor_peak_rss_mb = _actor_peak_rss(engines, decoders)
+        if stats.startup is not None and stream_start is not None and driver.first_row_at is not None:
+            steps = [*clock.steps, StartupStep("first_answer", driver.first_row_at - stream_start)]
+            stats.startup.steps = steps
+            stats.startup.total_s = sum(s.seconds for s in steps)
+            stats.startup.overlapped = _decoders_ready(decoders, launched_wall)
         if retry_errors:
             commit_retry(out_dir)
         stats.wall_s = time.perf_counter() - t0
@@ -174,6 +201,22 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return stats
+
+
+def _decoders_ready(decoders: list, launched_wall: float) -> dict[str, float]:
+    """Seconds from launch until the decoders were ready (median and last): they start beside the engine's
+    load, off the critical path unless they are slower. Best effort, like the memory figures."""
+    import ray
+
+    try:
+        refs = [d.ready_time.remote() for d in decoders]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5) if refs else ([], [])
+        times = sorted(ray.get(r) - launched_wall for r in ready)
+    except Exception:
+        return {}
+    if not times:
+        return {}
+    return {"decoders_ready_median_s": times[len(times) // 2], "decoders_ready_last_s": times[-1]}
 
 
 def _actor_peak_rss(engines: list, decoders: list) -> dict[str, list[float]]:

@@ -83,9 +83,12 @@ class MlxEngine(EngineBase):
 
     @classmethod
     def load(cls, model: ModelConfig, prompt: PromptConfig) -> "MlxEngine":
+        from batchjob.startup import StepClock
+
+        clock = StepClock()   # its first step ("imports") covers MLX's import too
         from batchjob.engine import Classifier
 
-        return cls(Classifier.from_pretrained(model.checkpoint, engine_config(model, prompt)), model)
+        return cls(Classifier.from_pretrained(model.checkpoint, engine_config(model, prompt), clock), model)
 
     def __init__(self, classifier, model: ModelConfig):
         self._clf = classifier
@@ -95,7 +98,8 @@ class MlxEngine(EngineBase):
     def describe(self) -> EngineDescription:
         return EngineDescription("mlx", self.model_id, {
             **self._clf.runtime.as_dict(),   # device, dtype, attention backend and why it was chosen
-            "temporal_step": self._model.temporal_step, "timestamps": self._model.timestamps})
+            "temporal_step": self._model.temporal_step, "timestamps": self._model.timestamps,
+            "memory": self._clf.memory.as_dict()}, startup=self._clf.startup)
 
     def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:
         from batchjob.engine import ClassifyRequest, Clip, VideoInputs

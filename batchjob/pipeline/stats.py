@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from batchjob.startup import Startup
+
 BUSY_ENOUGH = 0.75   # a stage busier than this (per worker, over the stream) is what bounded the run
 
 
@@ -46,6 +48,16 @@ class RunStats:
     engine_ms_per_clip_p90: float | None = None
     peak_rss_mb: float = 0.0                                      # the driver process
     actor_peak_rss_mb: dict[str, list[float]] = field(default_factory=dict)   # engines, decoders (best effort)
+    memory: dict[str, Any] = field(default_factory=dict)          # the engine's budget, its source, KV blocks
+    startup: Startup | None = None                                # launch to first answer, step by step
+
+    @property
+    def host_peak_mb(self) -> float | None:
+        """The job's processes' peak resident memory added up (driver, engines, decoders; each its own peak,
+        so an upper bound on their simultaneous use); None until the actors reported."""
+        if not self.actor_peak_rss_mb:
+            return None
+        return self.peak_rss_mb + sum(sum(v) for v in self.actor_peak_rss_mb.values())
 
     @property
     def rows_per_s(self) -> float:
@@ -79,8 +91,9 @@ class RunStats:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values for `batchjob run --stats-json` (monitoring, benchmarks)."""
-        out = {k: v for k, v in vars(self).items() if k != "decode_nodes"}
+        out = {k: v for k, v in vars(self).items() if k not in ("decode_nodes", "startup")}
         return {**out, "decode_nodes": sorted(self.decode_nodes), "rows_per_s": self.rows_per_s,
+                "startup": self.startup.as_dict() if self.startup else None, "host_peak_mb": self.host_peak_mb,
                 "overlap_efficiency": self.overlap_efficiency if self.done_rows else None,
                 "gpu_busy": self.gpu_busy, "engine_busy_by_replica": self.engine_busy_by_replica,
                 "bound_by": self.bound_by}
@@ -140,7 +153,18 @@ class DepthSampler:
         return weighted_summary(self.total), [weighted_summary(c) for c in self.per_replica]
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory (ru_maxrss is KiB on Linux, bytes on macOS)."""
+def peak_rss_mb(status_file: str = "/proc/self/status") -> float:
+    """This process's own peak resident memory.
+
+    Linux: `VmHWM`, the high-water mark of this process image. Not `ru_maxrss`: it survives fork + exec, so a
+    process started by one that once held 15 GB reports 15 GB whatever it used itself. Elsewhere ru_maxrss
+    (bytes on macOS), the best the system offers."""
+    try:
+        with open(status_file) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024   # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024

@@ -70,6 +70,32 @@ def build_random_model(config_dir: Path, dtype):
     return model
 
 
+def write_random_checkpoint(path: str | Path, dims: dict, layers: int, vision_layers: int, *,
+                            max_pixels: int | None = None, dtype: str = "bfloat16") -> Path:
+    """A real checkpoint directory on disk in `dims`' shape: the tiny checkpoint's tokenizer and processor
+    settings, the scaled config, random weights saved as safetensors shards by mlx-vlm (its own layout, as
+    mlx-community's checkpoints are). What a user's downloaded checkpoint is to `batchjob run`, at that size."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx_vlm.utils import save_weights
+
+    from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
+
+    path = Path(path)
+    if path.exists():
+        shutil.rmtree(path)
+    write_tiny_checkpoint(path, TinyModelSpec(model_type="qwen2_5_vl", max_pixels=max_pixels or 448 * 448,
+                                              min_pixels=28 * 28 * 4))
+    tiny = json.loads((path / "config.json").read_text())
+    for f in path.glob("*.safetensors*"):
+        f.unlink()
+    (path / "config.json").write_text(json.dumps(scaled_config(tiny, dims, layers, vision_layers), indent=1))
+    model = build_random_model(path, getattr(mx, dtype))
+    save_weights(path, model, donate_weights=True)
+    return path
+
+
 def random_classifier(checkpoint: str | Path, config):
     """A `Classifier` over the random model described in `checkpoint/random/config.json`.
 

@@ -1,0 +1,141 @@
+"""The engine's memory budget, sized from the device the model runs on.
+
+A budget taken from host RAM on a GPU machine oversubscribes the GPU: MLX's CUDA allocator then falls back to
+managed memory, and the job runs on, many times slower, with no error. So the budget comes from what the device
+itself reports (MLX's `device_info`, the one boundary faked in tests): the GPU's free memory after the weights
+on CUDA, Metal's recommended working set on Apple silicon (shared with the host processes), RAM on a CPU.
+An explicit `model.memory_budget_gb` larger than the device, or too small for the weights plus one request,
+fails at start with the figures and the fix.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+BUDGET_KEY = "model.memory_budget_gb"
+CUDA_HEADROOM = 0.05    # MLX's CUDA allocator caps itself at 95% of the GPU; stay inside it
+METAL_SHARE = 0.9       # the working set also serves the decoders' frames and the OS
+CPU_SHARE = 0.75        # RAM: the rest for decoders, Ray and the OS
+GIB = 2**30
+
+
+class MemoryBudgetError(ValueError):
+    """The budget cannot hold the model, or asks for more than the device has."""
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What one device offers an engine, and where the figure came from (shown in the run summary)."""
+
+    device: str                # "cuda" | "metal" | "cpu"
+    name: str
+    capacity_bytes: int        # the most an engine can use there
+    free_bytes: int | None     # CUDA: free on the GPU now (all processes); None where the device does not say
+    source: str
+
+
+def host_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_memory(device: str, info: Mapping[str, Any], host_ram: int) -> DeviceMemory:
+    """`info` is MLX's `device_info()` for the device (empty for the CPU)."""
+    name = str(info.get("device_name", device))
+    if device == "cuda":
+        total = int(info["total_memory"])
+        free = info.get("free_memory")
+        return DeviceMemory("cuda", name, total, None if free is None else int(free),
+                            "GPU memory reported by the driver (mlx.core.device_info)")
+    if device == "metal":
+        return DeviceMemory("metal", name, int(info["max_recommended_working_set_size"]), None,
+                            "Metal's recommended working set (unified memory, shared with host processes)")
+    return DeviceMemory("cpu", name, host_ram, None, "physical RAM")
+
+
+def read_device_memory(device: str) -> DeviceMemory:
+    """The boundary: what MLX reports for `device` now."""
+    import mlx.core as mx
+
+    info = mx.device_info(mx.gpu) if device in ("cuda", "metal") else {}
+    return device_memory(device, info, host_ram_bytes())
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The budget chosen at start and what it buys: recorded in the summary, stats JSON and Parquet metadata."""
+
+    device: DeviceMemory
+    budget_bytes: int
+    source: str                # BUDGET_KEY, or how the device's figure became the budget
+    weights_bytes: int
+    activation_bytes: int
+    kv_block_bytes: int
+    kv_blocks: int
+    block_size: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_blocks * self.kv_block_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"budget_gb": round(self.budget_bytes / GIB, 2), "budget_source": self.source,
+                "device": self.device.device, "device_name": self.device.name,
+                "device_memory_gb": round(self.device.capacity_bytes / GIB, 2), "device_memory_source":
+                self.device.source, "weights_gb": round(self.weights_bytes / GIB, 2),
+                "activations_gb": round(self.activation_bytes / GIB, 2), "kv_blocks": self.kv_blocks,
+                "kv_tokens": self.kv_blocks * self.block_size, "kv_gb": round(self.kv_bytes / GIB, 2),
+                "budget_bytes": self.budget_bytes, "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes}
+
+
+def activation_bytes(*, tokens: int, hidden: int, intermediate: int, dtype_bytes: int) -> int:
+    """A forward pass's transient memory: the residual stream, q/k/v/o and the MLP's three intermediates for
+    `tokens` packed tokens, twice over for what is alive across an op (MLX frees as it goes)."""
+    return 2 * tokens * (6 * hidden + 3 * intermediate) * dtype_bytes
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def choose_budget(device: DeviceMemory, requested_gb: float | None, weights_bytes: int) -> tuple[int, str]:
+    """(budget bytes, where it came from). `weights_bytes` are already resident when the device's free
+    memory was read, so on CUDA they are added back to what is free."""
+    capacity = device.capacity_bytes
+    if requested_gb is not None:
+        budget = int(requested_gb * GIB)
+        if budget > capacity:
+            raise MemoryBudgetError(
+                f"{BUDGET_KEY}: {requested_gb:g} GiB is more than the {device.device} device ({device.name}) holds: "
+                f"{_gib(capacity)} ({device.source}); the weights take {_gib(weights_bytes)}. Set it to at most "
+                f"{int(capacity / GIB)}, or to null to size it from the device")
+        return budget, BUDGET_KEY
+    if device.device == "cuda":
+        if device.free_bytes is None:
+            return int(capacity * (1 - CUDA_HEADROOM)), f"auto: {1 - CUDA_HEADROOM:.0%} of the GPU's memory"
+        free = max(0, device.free_bytes - int(capacity * CUDA_HEADROOM))
+        return weights_bytes + free, (f"auto: the weights + the GPU's free memory after them, less "
+                                      f"{CUDA_HEADROOM:.0%} of the GPU")
+    if device.device == "metal":
+        return int(capacity * METAL_SHARE), f"auto: {METAL_SHARE:.0%} of Metal's recommended working set"
+    return int(capacity * CPU_SHARE), f"auto: {CPU_SHARE:.0%} of RAM"
+
+
+def plan_memory(*, device: DeviceMemory, requested_gb: float | None, weights_bytes: int, activation: int,
+                kv_block_bytes: int, block_size: int, blocks_per_request: int, max_blocks: int) -> MemoryPlan:
+    """The budget and the KV blocks it holds (at most `max_blocks`); MemoryBudgetError when it cannot hold the
+    weights, one forward's activations and one maximum-length request."""
+    budget, source = choose_budget(device, requested_gb, weights_bytes)
+    need = weights_bytes + activation + blocks_per_request * kv_block_bytes
+    if budget < need:
+        fix = (f"raise {BUDGET_KEY}" if requested_gb is not None else
+               f"free memory on the {device.device} device ({device.name}: {_gib(device.capacity_bytes)}"
+               + (f", {_gib(device.free_bytes)} free after the weights" if device.free_bytes is not None else "")
+               + "), use a smaller or quantized checkpoint")
+        raise MemoryBudgetError(
+            f"memory budget {_gib(budget)} ({source}) cannot hold the weights ({_gib(weights_bytes)}), one "
+            f"forward's activations ({_gib(activation)}) and the KV cache of one maximum-length request "
+            f"({blocks_per_request} blocks, {_gib(blocks_per_request * kv_block_bytes)}); need {_gib(need)}. "
+            f"{fix[0].upper() + fix[1:]}, or lower model.max_model_len / model.max_num_batched_tokens")
+    blocks = min((budget - weights_bytes - activation) // kv_block_bytes, max_blocks)
+    return MemoryPlan(device, budget, source, weights_bytes, activation, kv_block_bytes, int(blocks), block_size)
