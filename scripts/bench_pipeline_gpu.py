@@ -209,15 +209,31 @@ def run_job(args, name: str, cfg: dict, work: Path, job_clips: int) -> dict:
     kernels = count_files(KERNEL_CACHE)
     got = run_measured([sys.executable, "-m", "batchjob.cli", "run", str(cfg_path), "--stats-json", str(stats_path)],
                        args.run_timeout_s)
-    if got["returncode"] != 0 or not stats_path.exists():
+    errors = error_samples(Path(cfg["output"]["directory"]))
+    stats = json.loads(stats_path.read_text()) if stats_path.exists() else None
+    if got["returncode"] != 0 or stats is None:
         print(f"{name}: FAILED (exit {got['returncode']}{', timed out' if got['timed_out'] else ''}):\n"
-              f"{got['output_tail']}", flush=True)
-        return {"error": f"exit {got['returncode']}", **got}
-    stats = json.loads(stats_path.read_text())
+              f"{got['output_tail']}\nerror rows: {errors}", flush=True)
+        return {"error": f"exit {got['returncode']}", "error_samples": errors, "stats": stats, **got}
     clips = min(job_clips, -(-cfg["dataset"]["limit"] // args.questions)) if cfg["dataset"].get("limit") else job_clips
     return {**summarize_run(stats, got["wall_s"], clips), "peak_host_mb_sampled": got["peak_host_mb"],
             "gpu_util_mean": got["gpu_util_mean"], "kernels_compiled": count_files(KERNEL_CACHE) - kernels,
-            "summary": got["output_tail"][-2500:], "stats": stats}
+            "error_samples": errors, "summary": got["output_tail"][-2500:], "stats": stats}
+
+
+def error_samples(output: Path, limit: int = 5) -> dict[str, int]:
+    """The run's distinct error messages (first `limit`) and how many rows each: a failed run says why."""
+    import pyarrow.dataset as ds
+
+    try:
+        table = ds.dataset(str(output), format="parquet").to_table(columns=["error"])
+    except Exception as exc:    # no output at all: the run's own tail says why
+        return {f"(no output: {type(exc).__name__})": 0}
+    counts: dict[str, int] = {}
+    for e in table.column("error").to_pylist():
+        if e:
+            counts[e[:500]] = counts.get(e[:500], 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:limit])
 
 
 def run_user(args, name: str, checkpoint: Path, data: Dataset, work: Path) -> dict:

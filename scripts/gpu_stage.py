@@ -94,7 +94,10 @@ def is_elf(path: Path) -> bool:
         return f.read(4) == b"\x7fELF"
 
 
-def slim(site: Path) -> None:
+def slim(site: Path, keep_headers: bool = False) -> None:
+    """Drop what never runs; `keep_headers` for MLX, whose CUDA backend compiles kernels at run time against
+    the headers it ships (include/cccl)."""
+    drop = tuple(s for s in DROP_SUFFIXES if not keep_headers or s not in (".h", ".hpp", ".cuh", ".cu"))
     for sub in RAY_UNUSED:
         shutil.rmtree(site / "ray" / sub, ignore_errors=True)
     shutil.rmtree(site / "bin", ignore_errors=True)   # console scripts: we call python -m
@@ -103,7 +106,7 @@ def slim(site: Path) -> None:
             if path.name in ("tests", "__pycache__") or (path.name == "test" and path.parent.name != "site"):
                 shutil.rmtree(path, ignore_errors=True)
             continue
-        if path.suffix in DROP_SUFFIXES or path.name in ("RECORD", "INSTALLER", "REQUESTED"):
+        if path.suffix in drop or path.name in ("RECORD", "INSTALLER", "REQUESTED"):
             path.unlink()
         elif not path.is_symlink() and is_elf(path):
             subprocess.run(["strip", "--strip-unneeded", str(path)], check=True)
@@ -139,7 +142,7 @@ def main() -> None:
     before = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
     if args.what == "mlx":
         slim_mlx(site, args.sm)
-    slim(site)
+    slim(site, keep_headers=args.what == "mlx")
     after = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
     if args.site_only:
         print(f"{len(wheels)} wheels for {tag}: installed {before / 2**20:.0f} MiB, slimmed {after / 2**20:.0f} MiB "
