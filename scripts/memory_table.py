@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from batchjob.engine.footprint import Quantization, kv_bytes_per_token, parameter_counts, text_settings, weights_bytes
+from batchjob.engine.footprint import Quantization, kv_bytes_per_token, kv_layout, parameter_counts, weights_bytes
 from batchjob.engine.published_configs import PUBLISHED_CONFIGS
 from batchjob.engine.types import EngineConfig
 from batchjob.metal_backend.memory import kv_bytes_per_block
@@ -51,9 +51,8 @@ def prompt_tokens(config: dict) -> int:
 def minimum_budget_bytes(config: dict, weights: int, max_model_len: int, block_size: int = 16,
                          dtype_bytes: int = 2) -> int:
     """The engine's start-up rule: the weights plus the KV blocks of one `max_model_len`-token request."""
-    text = text_settings(config)
-    per_block = kv_bytes_per_block(num_layers=text["num_hidden_layers"], num_kv_heads=text["num_key_value_heads"],
-                                   head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+    layers, kv_heads, head_dim = kv_layout(config)
+    per_block = kv_bytes_per_block(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                                    dtype_bytes=dtype_bytes, block_size=block_size)
     return weights + -(-max_model_len // block_size) * per_block
 

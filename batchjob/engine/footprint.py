@@ -192,7 +192,12 @@ def parameter_counts(config: dict) -> tuple[int, int]:
     return sum(s.size for s in specs) - vision, vision
 
 
+def kv_layout(config: dict) -> tuple[int, int, int]:
+    """(decoder layers, KV heads, head_dim): the shape of the KV cache per token."""
+    text = text_settings(config)
+    return text["num_hidden_layers"], text["num_key_value_heads"], _head_dim(text)
+
+
 def kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int:
     """K and V of one token over every decoder layer."""
-    text = text_settings(config)
-    return 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * _head_dim(text) * dtype_bytes
+    return 2 * math.prod(kv_layout(config)) * dtype_bytes

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from mlx.utils import tree_flatten
 
-from batchjob.engine.footprint import (Quantization, checkpoint_tensors, kv_bytes_per_token, parameter_counts,
-                                       stored_tensors, text_settings, weights_bytes)
+from batchjob.engine.footprint import (Quantization, checkpoint_tensors, kv_bytes_per_token, kv_layout,
+                                       parameter_counts, stored_tensors, weights_bytes)
 from batchjob.engine.published_configs import PUBLISHED_CONFIGS
 from batchjob.metal_backend.memory import KVCacheBudgetError, plan_num_blocks
 
@@ -100,6 +100,7 @@ def test_kv_per_token_and_weights_are_the_engines(name, tiny_classifier):
     clf = tiny_classifier(name)
     cache = clf.kv_cache
     slots = cache.k[0].shape[0] * cache.k[0].shape[1]
+    assert (len(cache.k), *cache.k[0].shape[2:]) == kv_layout(clf.checkpoint.hf_config)
     cache_bytes = sum(k.nbytes + v.nbytes for k, v in zip(cache.k, cache.v))
     assert cache_bytes == slots * kv_bytes_per_token(clf.checkpoint.hf_config, dtype_bytes=4)
     assert clf.checkpoint.weights_bytes == weights_bytes(clf.checkpoint.hf_config, None, 4, engine=True)
@@ -109,13 +110,11 @@ def test_kv_per_token_and_weights_are_the_engines(name, tiny_classifier):
 def test_minimum_budget_is_the_engines_start_rule(rng):
     table = _memory_table()
     for name, config in PUBLISHED_CONFIGS.items():
-        text = text_settings(config)
         weights = weights_bytes(config, Quantization(int(rng.choice([4, 8]))), engine=True)
         max_model_len = int(rng.integers(16, 65536))
         need = table.minimum_budget_bytes(config, weights, max_model_len)
-        sizes = dict(weights_bytes=weights, num_layers=text["num_hidden_layers"],
-                     num_kv_heads=text["num_key_value_heads"],
-                     head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+        layers, kv_heads, head_dim = kv_layout(config)
+        sizes = dict(weights_bytes=weights, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                      dtype_bytes=2, block_size=16, max_model_len=max_model_len)
         assert plan_num_blocks(memory_budget_bytes=need, **sizes) == -(-max_model_len // 16), name
         with pytest.raises(KVCacheBudgetError):
