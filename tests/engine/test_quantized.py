@@ -30,7 +30,8 @@ from batchjob.engine.footprint import Quantization, stored_tensors, text_setting
 from batchjob.engine.preprocess import plan_video, preprocess_video
 from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
 
-TOLERANCE = 1e-4  # option log-probs, as the unquantized parity tests (test_parity.py, test_qwen3.py)
+TOLERANCE = 1e-4  # fp32, as the unquantized parity tests (test_parity.py, test_qwen3.py)
+BF16_TOLERANCE = 3e-2  # bf16, as the attention tests' bf16 bound (tests/metal_backend/test_attention.py)
 
 _VISION = dict(vision_depth=2, vision_hidden=64, vision_heads=2, vision_intermediate=160)
 SPECS = {
@@ -72,12 +73,12 @@ def _quantized_modules(model) -> dict[str, int]:
     return {name: module.bits for name, module in model.named_modules() if hasattr(module, "bits")}
 
 
-def _mlx_vlm_reference(path: Path):
-    """mlx-vlm's own model on the same files, in the engine's CPU dtype (bf16 -> fp32 is exact)."""
+def _mlx_vlm_reference(path: Path, dtype):
+    """mlx-vlm's own model on the same files, in the engine's dtype (the files are bf16: fp32 is exact)."""
     from mlx_vlm.utils import load_model
 
     model = load_model(path)
-    model.set_dtype(mx.float32)
+    model.set_dtype(dtype)
     if json.loads((path / "config.json").read_text())["model_type"] == "qwen3_vl_moe":
         tower = model.vision_tower  # mlx-vlm 0.7.10 swaps the tower's two GELUs (families/qwen3.py)
         for block in tower.blocks:
@@ -137,16 +138,10 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
-@pytest.mark.parametrize("family,bits,vision", CASES, ids=IDS)
-def test_engine_matches_mlx_vlm_on_the_same_quantized_weights(family, bits, vision, checkpoints, rng, make_clip,
-                                                               make_request, monkeypatch):
-    path = checkpoints(family, bits, vision)
-    config = EngineConfig(max_model_len=4096, memory_budget_gb=1.0)
-    clf = Classifier.from_pretrained(path, config)
-
-    # The engine runs the quantized layers as stored: the language model quantized at `bits`, the tower only
-    # in the vision cases (the layers whose input width the group divides), packed weights and quantization
-    # parameters as in the files (bf16 -> fp32 is exact), the weights counted as the footprint formula says.
+def _assert_runs_the_stored_layers(clf, path: Path, bits: int, vision: bool) -> None:
+    """The language model quantized at `bits`, the tower only in the vision cases (the layers whose input width
+    the group divides), packed weights and quantization parameters as in the files (cast to the engine's dtype:
+    exact from bf16), the weights counted as the footprint formula says."""
     quantized = _quantized_modules(clf.checkpoint.model)
     assert set(quantized.values()) == {bits}
     assert any(name.startswith("language_model.model.layers.1.mlp") for name in quantized)
@@ -155,40 +150,72 @@ def test_engine_matches_mlx_vlm_on_the_same_quantized_weights(family, bits, visi
     # (the paged-attention wrapper holds mlx-vlm's attention module as `.inner`)
     engine_params = {k.replace(".self_attn.inner.", ".self_attn."): v
                      for k, v in tree_flatten(clf.checkpoint.model.parameters())}
-    stored = mx.load(str(path / "model.safetensors"))
-    for name, value in stored.items():
+    for name, value in mx.load(str(path / "model.safetensors")).items():
         if value.dtype == mx.uint32 or name.endswith((".scales", ".biases")):
-            assert mx.array_equal(engine_params[name], value.astype(engine_params[name].dtype)).item(), name
-    expected_bytes = weights_bytes(json.loads((path / "config.json").read_text()), Quantization(bits, vision=vision),
-                                   dtype_bytes=4, engine=True)
-    assert clf.checkpoint.weights_bytes == expected_bytes
+            ours = engine_params[name]
+            assert ours.dtype == (value.dtype if value.dtype == mx.uint32 else clf.checkpoint.dtype), name
+            assert mx.array_equal(ours, value.astype(ours.dtype)).item(), name
+    itemsize = mx.zeros((), clf.checkpoint.dtype).itemsize
+    assert clf.checkpoint.weights_bytes == weights_bytes(json.loads((path / "config.json").read_text()),
+                                                         Quantization(bits, vision=vision), itemsize, engine=True)
 
-    clips = [make_clip(rng, f"{path.name}-clip{i}") for i in range(3)]
-    requests = [make_request(rng, f"r{i}", clips[i % 3]) for i in range(5)]  # two clips asked twice: sharing
+
+def _compare_with_mlx_vlm(clf, reference, requests, monkeypatch, tolerance: float):
+    """Engine results vs mlx-vlm's forward per request: whole-vocabulary logits and option log-probs within
+    `tolerance`, the same choice. Returns (results, max |d logprob|, max |d logit|)."""
     results, logits = _classify_with_logits(clf, requests, monkeypatch)
     assert all(r.error is None for r in results), [r.error for r in results]
     assert any(r.cached_tokens > 0 for r in results)
-
-    reference = _mlx_vlm_reference(path)
     worst_logprob = worst_logit = 0.0
     for i, (request, result) in enumerate(zip(requests, results)):
         expected = _reference_logits(reference, clf, request)
-        np.testing.assert_allclose(logits[i], expected, rtol=0, atol=TOLERANCE, err_msg=f"{family} r{i}")
+        np.testing.assert_allclose(logits[i], expected, rtol=0, atol=tolerance, err_msg=f"r{i}")
         option_logprobs = _log_softmax(expected[clf.prompts.option_token_ids(len(request.options))])
-        np.testing.assert_allclose(result.logprobs, option_logprobs, rtol=0, atol=TOLERANCE, err_msg=f"{family} r{i}")
+        np.testing.assert_allclose(result.logprobs, option_logprobs, rtol=0, atol=tolerance, err_msg=f"r{i}")
         assert result.choice == int(np.argmax(option_logprobs))
         worst_logprob = max(worst_logprob, float(np.abs(np.array(result.logprobs) - option_logprobs).max()))
         worst_logit = max(worst_logit, float(np.abs(logits[i] - expected).max()))
     spread = max(float(np.ptp(r.logprobs)) for r in results)
     assert spread > 1e-2, f"option log-probs nearly uniform (spread {spread}); the check would be weak"
+    return results, worst_logprob, worst_logit
+
+
+def _requests(rng, make_clip, make_request, name: str):
+    clips = [make_clip(rng, f"{name}-clip{i}") for i in range(3)]
+    return [make_request(rng, f"r{i}", clips[i % 3]) for i in range(5)]  # two clips asked twice: sharing
+
+
+@pytest.mark.parametrize("family,bits,vision", CASES, ids=IDS)
+def test_engine_matches_mlx_vlm_on_the_same_quantized_weights(family, bits, vision, checkpoints, rng, make_clip,
+                                                               make_request, monkeypatch):
+    path = checkpoints(family, bits, vision)
+    config = EngineConfig(max_model_len=4096, memory_budget_gb=1.0)   # float32 on this CPU
+    clf = Classifier.from_pretrained(path, config)
+    _assert_runs_the_stored_layers(clf, path, bits, vision)
+    requests = _requests(rng, make_clip, make_request, path.name)
+    results, worst_logprob, worst_logit = _compare_with_mlx_vlm(clf, _mlx_vlm_reference(path, mx.float32), requests,
+                                                                monkeypatch, TOLERANCE)
 
     # The quantization is visible: the unquantized source checkpoint answers measurably differently, so a
     # quantized checkpoint silently loaded as something else could not pass the comparison above.
     source = Classifier.from_pretrained(checkpoints(family), config).classify(requests)
     moved = max(float(np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max()) for a, b in zip(source, results))
     assert moved > 20 * TOLERANCE, f"quantization moved option log-probs by only {moved}"
-    print(f"{family} {bits}-bit{' +vision' if vision else ''}: max |dlogprob| {worst_logprob:.1e}, "
+    print(f"{family} {bits}-bit{' +vision' if vision else ''} fp32: max |dlogprob| {worst_logprob:.1e}, "
           f"max |dlogit| {worst_logit:.1e}, vs unquantized {moved:.2f}")
+
+
+@pytest.mark.parametrize("family", SPECS)
+def test_in_bf16_the_gpu_dtype(family, checkpoints, rng, make_clip, make_request, monkeypatch):
+    """As on Apple and NVIDIA GPUs: bf16 activations, scales and biases kept as stored; the reference is mlx-vlm
+    on the files as they are."""
+    path = checkpoints(family, 4)
+    clf = Classifier.from_pretrained(path, EngineConfig(max_model_len=4096, memory_budget_gb=1.0, dtype="bfloat16"))
+    _assert_runs_the_stored_layers(clf, path, 4, False)
+    requests = _requests(rng, make_clip, make_request, f"{path.name}-bf16")
+    _, worst_logprob, worst_logit = _compare_with_mlx_vlm(clf, _mlx_vlm_reference(path, mx.bfloat16), requests,
+                                                          monkeypatch, BF16_TOLERANCE)
+    print(f"{family} 4-bit bf16: max |dlogprob| {worst_logprob:.1e}, max |dlogit| {worst_logit:.1e}")
 
 
 @pytest.mark.parametrize("family,bits,vision", CASES, ids=IDS)
