@@ -42,7 +42,7 @@ class Quantization:
 
     bits: int
     group_size: int = 64
-    vision: bool = False  # also quantize the vision tower, as mlx-vlm's converters before `skip_vision` did
+    vision: bool = False  # the vision tower too, as older mlx-vlm converters did (mlx-vlm still loads those)
 
     def applies_to(self, spec: TensorSpec) -> bool:
         return (spec.module in QUANTIZABLE and spec.name.endswith(".weight") and spec.shape[-1] % self.group_size == 0

@@ -155,3 +155,25 @@ def test_moe_dense_layers_follow_mlx_vlm():
         {spec.name: spec.shape for spec in checkpoint_tensors(config)}
     experts = {s.name.split(".")[3] for s in checkpoint_tensors(config) if s.module == "experts"}
     assert experts == {"1", "3", "5"}
+
+
+@pytest.mark.parametrize("tiny,model", [("qwen2_5_vl-gqa", "Qwen/Qwen2.5-VL-7B-Instruct"),
+                                        ("qwen3_vl", "Qwen/Qwen3-VL-8B-Instruct")])
+def test_the_table_bounds_any_16_frame_clip(tiny, model, checkpoint_dir, rng):
+    """The engine's own plan for 16 frames of any size, at the shipped config's max_pixels, stays within the
+    table's video tokens (the tiny checkpoints share the real processors' patch, merge and temporal sizes)."""
+    import yaml
+
+    from batchjob.engine.preprocess import load_vision_settings, plan_video
+
+    table = _memory_table()
+    config = PUBLISHED_CONFIGS[model]
+    family = "qwen3_vl" if config["model_type"].startswith("qwen3") else "qwen2_5_vl"
+    max_pixels = yaml.safe_load(table.SHIPPED[family].read_text())["model"]["max_pixels"]
+    settings = load_vision_settings(Path(checkpoint_dir(tiny)), None, max_pixels, "nominal", "actual")
+    bound, most = table.prompt_tokens(config) - table.TEXT_TOKENS, 0
+    for _ in range(200):
+        shape = (16, int(rng.integers(64, 2160)), int(rng.integers(64, 3840)), 3)
+        plan = plan_video(shape, {"fps": 30.0, "total_num_frames": 300, "frames_indices": list(range(16))}, settings)
+        most = max(most, plan.num_tokens)
+    assert bound * 0.9 <= most <= bound
