@@ -4,8 +4,8 @@
 Weights come from the published configs' shapes (batchjob/engine/published_configs.py) through
 batchjob/engine/footprint.py: mlx-vlm's layout, quantized as its converter quantizes (language model only,
 group size 64, bf16 scales and biases), plus what the engine adds at load (vision MLPs padded to the GEMM tile).
-The KV cache is bf16 (the GPU dtype). The engine refuses a budget below the weights plus the KV cache of one
-`max_model_len` request (metal_backend/memory.py); the 16-frame prompt is the shipped configs' worst case
+The KV cache is bf16 (the GPU dtype). The engine refuses a budget below the weights, one forward's activations
+and the KV cache of one `max_model_len` request (engine/memory_budget.py); the 16-frame prompt is the shipped configs' worst case
 (every frame at `max_pixels`) plus TEXT_TOKENS of text.
 
     python scripts/memory_table.py            # print the table
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from batchjob.engine.memory_budget import activation_bytes
 from batchjob.engine.footprint import Quantization, kv_bytes_per_token, kv_layout, parameter_counts, weights_bytes
 from batchjob.engine.published_configs import PUBLISHED_CONFIGS
 from batchjob.engine.types import EngineConfig
@@ -48,13 +49,24 @@ def prompt_tokens(config: dict) -> int:
     return math.ceil(frames / temporal) * (per_frame // side**2) + TEXT_TOKENS
 
 
+def forward_activations(config: dict, dtype_bytes: int = 2) -> int:
+    """One forward's activations at the shipped config's token budget (the engine's estimate)."""
+    family = "qwen3_vl" if config["model_type"].startswith("qwen3") else "qwen2_5_vl"
+    tokens = yaml.safe_load(SHIPPED[family].read_text())["model"]["max_num_batched_tokens"]
+    tokens = EngineConfig().max_num_batched_tokens if tokens == "auto" else int(tokens)
+    text = config.get("text_config") or config
+    return activation_bytes(tokens=tokens, hidden=int(text["hidden_size"]),
+                            intermediate=int(text["intermediate_size"]), dtype_bytes=dtype_bytes)
+
+
 def minimum_budget_bytes(config: dict, weights: int, max_model_len: int, block_size: int = 16,
                          dtype_bytes: int = 2) -> int:
-    """The engine's start-up rule: the weights plus the KV blocks of one `max_model_len`-token request."""
+    """The engine's start-up rule (batchjob/engine/memory_budget.py): the weights, one forward's activations and
+    the KV blocks of one `max_model_len`-token request."""
     layers, kv_heads, head_dim = kv_layout(config)
     per_block = kv_bytes_per_block(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                                    dtype_bytes=dtype_bytes, block_size=block_size)
-    return weights + -(-max_model_len // block_size) * per_block
+    return weights + forward_activations(config, dtype_bytes) + -(-max_model_len // block_size) * per_block
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from mlx.utils import tree_flatten
 from batchjob.engine.footprint import (Quantization, checkpoint_tensors, kv_bytes_per_token, kv_layout,
                                        parameter_counts, stored_tensors, weights_bytes)
 from batchjob.engine.published_configs import PUBLISHED_CONFIGS
-from batchjob.metal_backend.memory import KVCacheBudgetError, plan_num_blocks
+from batchjob.engine import memory_budget as mb
+from batchjob.metal_backend.memory import kv_bytes_per_block
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,11 +115,18 @@ def test_minimum_budget_is_the_engines_start_rule(rng):
         max_model_len = int(rng.integers(16, 65536))
         need = table.minimum_budget_bytes(config, weights, max_model_len)
         layers, kv_heads, head_dim = kv_layout(config)
-        sizes = dict(weights_bytes=weights, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                     dtype_bytes=2, block_size=16, max_model_len=max_model_len)
-        assert plan_num_blocks(memory_budget_bytes=need, **sizes) == -(-max_model_len // 16), name
-        with pytest.raises(KVCacheBudgetError):
-            plan_num_blocks(memory_budget_bytes=need - 1, **sizes)
+        per_block = kv_bytes_per_block(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=2,
+                                       block_size=16)
+        blocks = -(-max_model_len // 16)
+        device = mb.DeviceMemory("cuda", "big", 2**50, None, "test")
+
+        def plan(budget_bytes: int):
+            return mb.plan_memory(device=device, requested_gb=budget_bytes / 2**30, weights_bytes=weights,
+                                  activation=table.forward_activations(config), kv_block_bytes=per_block,
+                                  block_size=16, blocks_per_request=blocks, max_blocks=10**9)
+        assert plan(need).kv_blocks == blocks, name
+        with pytest.raises(mb.MemoryBudgetError):
+            plan(need - 1)
         assert table.prompt_tokens(config) <= table.SHORT_CONTEXT
 
 
