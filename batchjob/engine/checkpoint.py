@@ -72,6 +72,15 @@ def _check_files(path: Path) -> None:
         raise EngineError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them in")
 
 
+def touch_on_device(model: nn.Module) -> None:
+    """Read every weight once on the GPU, so the driver moves the unified-memory pages the CPU read there now,
+    at load, instead of during the first forward pass."""
+    from mlx.utils import tree_flatten
+
+    mx.eval([mx.sum(p) for _, p in tree_flatten(model.parameters())])
+    mx.synchronize()
+
+
 def load_checkpoint(model: str | os.PathLike, config: EngineConfig, clock: StepClock | None = None) -> LoadedCheckpoint:
     """`clock` (optional) gets one mark per load step: imports, files, device, weights, cast, tokenizer."""
     from mlx.utils import tree_flatten
@@ -90,7 +99,11 @@ def load_checkpoint(model: str | os.PathLike, config: EngineConfig, clock: StepC
     activate(device)
     clock.mark("device_init")
     try:
-        mlx_model = load_model(path)
+        # Read on the CPU stream: MLX's CPU load reads a file with parallel readers into unified memory, where
+        # the GPU load reads it tensor by tensor on one thread (half the speed on an H100 machine).
+        with mx.stream(mx.cpu):
+            mlx_model = load_model(path, lazy=True)
+            mx.eval(mlx_model.parameters())
     except Exception as exc:
         raise EngineError(f"{path}: mlx-vlm could not build the model ({type(exc).__name__}: {exc})") from exc
     clock.mark("weights_read")
@@ -98,7 +111,9 @@ def load_checkpoint(model: str | os.PathLike, config: EngineConfig, clock: StepC
     dtype = resolve_dtype(config.dtype, device)
     mlx_model.set_dtype(dtype)
     mx.eval(mlx_model.parameters())
-    clock.mark("weights_cast")
+    if device == "cuda":
+        touch_on_device(mlx_model)
+    clock.mark("weights_to_device")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:

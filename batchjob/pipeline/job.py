@@ -118,7 +118,8 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
     from batchjob.pipeline.actors import make_decoders, make_engines
     from batchjob.pipeline.engines import resolve_engine
     from batchjob.pipeline.ray_runtime import start_ray, stop_ray
-    from batchjob.pipeline.resources import cpus_to_start, ray_resources, resolve_runtime
+    from batchjob.engine.memory_budget import host_ram_bytes
+    from batchjob.pipeline.resources import cpus_to_start, object_store_bytes, ray_resources, resolve_runtime
     from batchjob.pipeline.workers import RayWorkers
 
     out_dir, fingerprint = Path(cfg.output.directory), cfg.fingerprint()
@@ -138,7 +139,7 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         return stats
     clock.mark("output_scan")     # the lock, the resume scan of the output, the clip plan
     launched_wall = time.time() - (time.perf_counter() - clock.origin)
-    started = start_ray(rt.ray_address, cpus_to_start(cfg))
+    started = start_ray(rt.ray_address, cpus_to_start(cfg), object_store_bytes(rt.frames_in_flight, host_ram_bytes()))
     clock.mark("ray_start")
     previous = _catch_sigterm()
     driver: Driver | None = None

@@ -86,6 +86,19 @@ def cpus_to_start(cfg: JobConfig) -> float:
     return decoders * rt.decode_cpus + engines * rt.engine_cpus
 
 
+OBJECT_STORE_PER_CLIP = 256 * 2**20   # a 16-frame 1080p clip is ~100 MB of frames, its prepared input ~40 MB
+OBJECT_STORE_MIN = 2 * 2**30
+OBJECT_STORE_HOST_SHARE = 0.3         # Ray's own default: 30% of RAM
+
+
+def object_store_bytes(frames_in_flight: int, host_ram: int) -> int:
+    """A local Ray's object store, sized from what the job keeps in flight (frames_in_flight clips' payloads
+    and their answers) instead of Ray's 30% of RAM: the store is set up at start (a larger one starts slower)
+    and its pages are host memory the decoders and the OS compete for. Never above Ray's own default."""
+    want = max(OBJECT_STORE_MIN, frames_in_flight * OBJECT_STORE_PER_CLIP)
+    return int(min(want, host_ram * OBJECT_STORE_HOST_SHARE))
+
+
 def ray_resources() -> Resources:
     """The CPUs and GPUs of the Ray instance this process is connected to."""
     import ray
