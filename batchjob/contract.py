@@ -201,6 +201,12 @@ class EngineBase:
     def check(cls, model: "ModelConfig", prompt: "PromptConfig") -> None:
         return None
 
+    @classmethod
+    def check_local(cls, model: "ModelConfig") -> None:
+        """Before anything starts, when the engines will run on this machine (no cluster): raise ConfigError
+        for settings this machine's devices cannot hold."""
+        return None
+
     def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:
         raise NotImplementedError
 

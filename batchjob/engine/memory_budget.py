@@ -53,6 +53,56 @@ def device_memory(device: str, info: Mapping[str, Any], host_ram: int) -> Device
     return DeviceMemory("cpu", name, host_ram, None, "physical RAM")
 
 
+def nvidia_gpu_memory(load=None) -> DeviceMemory | None:
+    """The smallest NVIDIA GPU on this machine, from NVML (the driver's library; no CUDA context, so the driver
+    process can ask before any engine starts); None without one. `load` opens the library (tests fake it)."""
+    import ctypes
+
+    class Memory(ctypes.Structure):
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+    try:
+        nvml = (load or ctypes.CDLL)("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0 or count.value == 0:
+            return None
+        found = []
+        for i in range(count.value):
+            handle, mem, name = ctypes.c_void_p(), Memory(), ctypes.create_string_buffer(96)
+            if nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) != 0:
+                continue
+            if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) != 0:
+                continue
+            nvml.nvmlDeviceGetName(handle, name, 96)
+            found.append((mem.total, mem.free, name.value.decode(errors="replace")))
+    except (OSError, AttributeError):
+        return None
+    if not found:
+        return None
+    total, free, name = min(found)
+    return DeviceMemory("cuda", name, int(total), int(free), "GPU memory reported by the driver (NVML)")
+
+
+def local_device_memory(device_setting: str, *, gpu=nvidia_gpu_memory, platform: str | None = None,
+                        host_ram: int | None = None) -> DeviceMemory | None:
+    """What the engine's device will offer on this machine, as far as it can be known without starting it
+    (`model.device` auto | gpu | cpu); None where only the engine can tell (Apple's working set, a GPU that
+    NVML does not see)."""
+    import sys
+
+    ram = host_ram if host_ram is not None else host_ram_bytes()
+    if device_setting == "cpu":
+        return DeviceMemory("cpu", "cpu", ram, None, "physical RAM")
+    found = gpu()
+    if found is not None:
+        return found
+    if (platform or sys.platform) == "darwin" or device_setting == "gpu":
+        return None
+    return DeviceMemory("cpu", "cpu", ram, None, "physical RAM")
+
+
 def read_device_memory(device: str) -> DeviceMemory:
     """The boundary: what MLX reports for `device` now."""
     import mlx.core as mx

@@ -65,7 +65,10 @@ def preflight(cfg: JobConfig) -> list[Row]:
         raise ConfigError(f"{where}: loader.name: unknown loader {cfg.loader.name!r}; "
                           f"valid: {', '.join(list_loaders())}")
     try:
-        resolve_engine(cfg.model.engine).check(cfg.model, cfg.prompt)
+        engine = resolve_engine(cfg.model.engine)
+        engine.check(cfg.model, cfg.prompt)
+        if cfg.runtime.ray_address is None and hasattr(engine, "check_local"):   # the engines run here
+            engine.check_local(cfg.model)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
     check_paths(cfg)
