@@ -116,6 +116,14 @@ class RangeIgnored(Exception):
     """The server answered a byte-range request with more bytes than asked (it ignores `Range`)."""
 
 
+_FILESYSTEMS: dict[tuple[str, str], Any] = {}
+
+
+def reset_filesystems() -> None:
+    """Forget the filesystems made so far (after the SDK's environment changed: credentials, endpoint)."""
+    _FILESYSTEMS.clear()
+
+
 def filesystem(url: str):
     """(fsspec filesystem, path) for `url`; a missing SDK package is named with the extra that installs it."""
     try:
@@ -127,7 +135,16 @@ def filesystem(url: str):
     except ImportError:
         raise InvalidArgument(redact(url), "reading URLs needs fsspec: pip install 'batchjob[remote]'") from None
     try:
-        return fsspec.core.url_to_fs(url)
+        s = scheme(url) or ""
+        options = fsspec.get_filesystem_class(s)._get_kwargs_from_urls(url)
+        key = (s, repr(sorted(options.items())))
+        fs = _FILESYSTEMS.get(key)
+        if fs is None:
+            # Our own instance, not fsspec's shared one, so that turning its retries off touches nobody else's
+            fs = _FILESYSTEMS[key] = fsspec.filesystem(s, skip_instance_cache=True, **options)
+            if isinstance(getattr(type(fs), "retries", None), int):
+                fs.retries = 1   # s3fs retries dropped connections itself: under ours that multiplies requests
+        return fs, fs._strip_protocol(url)
     except ImportError as err:
         package = REMOTE_SCHEMES.get(scheme(url) or "", "")
         extra = EXTRA_FOR_PACKAGE.get(package, "remote")

@@ -44,12 +44,12 @@ class FaultyObjects:
         fault = self.faults.draw(path)
         if fault:
             self.log.fault(path, fault)
-        if fault == "timeout":
-            time.sleep(self.faults.stall_s)
+        if fault == "timeout" or (fault == "reset" and method == "HEAD"):   # a HEAD has no body to cut short
+            time.sleep(self.faults.stall_s if fault == "timeout" else 0)
             sock = environ.get("werkzeug.socket")
             if sock is not None:
                 drop_connection(sock)
-            raise ConnectionResetError("injected stall")
+            raise ConnectionResetError(f"injected {fault}")
         if fault in _ERRORS:
             return self._error(fault, path, method, start_response)
         body = self.app(environ, start_response)

@@ -130,7 +130,7 @@ def test_file_urls_are_local_paths(clip_dir):
 
 
 @pytest.mark.parametrize("name, error", [("missing.mp4", "no such object"), ("empty.mp4", "empty|no bytes|damaged"),
-                                         ("not_video.mp4", "")])
+                                         ("not_video.mp4", "media")])
 def test_bad_remote_clips_fail_with_the_url(store, name, error):
     from batchjob.loaders import LoaderError
 
