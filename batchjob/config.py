@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from batchjob.contract import MAX_OPTIONS
+from batchjob.location import LocationError, check_supported, is_url, local_path, redact, scheme
 
 
 class ConfigError(Exception):
@@ -46,8 +47,6 @@ class DatasetConfig(_Section):
     @classmethod
     def _no_credentials(cls, v: str | None) -> str | None:
         if v is not None:
-            from batchjob.location import LocationError, check_supported
-
             try:
                 check_supported(v)
             except LocationError as err:
@@ -225,8 +224,6 @@ def _resolve(base: Path, value: str) -> str:
 
 def _resolve_root(base: Path, value: str | None) -> str | None:
     """A URL stays as written (file:// becomes its path); a path resolves against the config's directory."""
-    from batchjob.location import is_url, local_path, scheme
-
     if value is None:
         return None
     if is_url(value):
@@ -246,7 +243,9 @@ def _format_validation(path: Path, err: ValidationError) -> str:
             msg = "unknown key (check spelling; see configs/nextqa.yaml for every key)"
         elif e["type"] == "missing":
             msg = "required key is missing"
-        lines.append(f"  {key}: {msg} (got {e.get('input')!r})" if e["type"] != "missing" else f"  {key}: {msg}")
+        got = e.get("input")
+        got = redact(got) if is_url(got) else got   # never echo a secret written into a URL
+        lines.append(f"  {key}: {msg} (got {got!r})" if e["type"] != "missing" else f"  {key}: {msg}")
     return "\n".join(lines)
 
 
@@ -320,8 +319,6 @@ def load_config(path: str | Path, *, date: str | None = None) -> JobConfig:
 
 def check_paths(cfg: JobConfig) -> None:
     """Every input the job reads must exist before Ray starts; the message says how to get it."""
-    from batchjob.location import is_url
-
     where = cfg.source or "config"
     ds = cfg.dataset
     fetch = {"nextqa": " (prepare it with scripts/prepare_nextqa.py)",

@@ -81,6 +81,7 @@ class FaultInjector:
             self._queued[path].extend(kinds)
 
     def always(self, path: str, kind: str) -> None:
+        """Every request to `path`, or to anything under it (a bucket and its objects), fails as `kind`."""
         if kind not in KINDS:
             raise ValueError(f"unknown fault kind {kind!r}")
         with self._lock:
@@ -89,8 +90,9 @@ class FaultInjector:
     def draw(self, path: str, *, at_random: bool = True) -> str | None:
         """The fault for this request to `path`, if any (`at_random=False`: only faults set for the path)."""
         with self._lock:
-            if path in self._always:
-                return self._always[path]
+            for prefix, kind in self._always.items():
+                if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                    return kind
             if self._queued.get(path):
                 kind = self._queued[path].popleft()
                 return None if kind == "ok" else kind
