@@ -115,9 +115,10 @@ def test_thousand_remote_clips_with_faults_every_row_once(tmp_path, h, s3, seed,
         faults = dict(server.log.total_faults())
         server.faults.__init__()
     assert full.returncode == 0, full.stderr[-3000:]
+    assert "fetched per clip" in full.stdout and "MB median" in full.stdout, full.stdout   # the run summary
     out = h.read_rows(tmp_path / "out")
     assert sorted(r["row_id"] for r in out) == sorted(r["id"] for r in rows), "every row exactly once"
-    assert sum(faults.values()) >= 100, faults            # about 5% of several thousand requests
+    assert sum(faults.values()) >= 50, faults    # 5% of about 2,000 requests (an opening and a read per clip)
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["skipped_rows"] == 300 and stats["done_rows"] == 700
     fetched = stats["fetched"]["pyav_keyframes"]
