@@ -131,6 +131,7 @@ def filesystem(url: str):
     except LocationError as err:
         raise InvalidArgument(redact(url), str(err).split(": ", 1)[-1]) from None
     try:
+        import fsspec.config
         import fsspec.core
     except ImportError:
         raise InvalidArgument(redact(url), "reading URLs needs fsspec: pip install 'batchjob[remote]'") from None
@@ -139,6 +140,10 @@ def filesystem(url: str):
         options = fsspec.get_filesystem_class(s)._get_kwargs_from_urls(url)
         key = (s, repr(sorted(options.items())))
         fs = _FILESYSTEMS.get(key)
+        if fs is None and s in ("s3", "s3a"):
+            # one retry policy, ours (`attempts`): botocore's own retries of 5xx would multiply it
+            site = fsspec.config.conf.get(s, {}).get("config_kwargs", {})   # keep a site's fsspec config
+            options = {**options, "config_kwargs": {**site, "retries": {"total_max_attempts": 1}}}
         if fs is None:
             # Our own instance, not fsspec's shared one, so that turning its retries off touches nobody else's
             fs = _FILESYSTEMS[key] = fsspec.filesystem(s, skip_instance_cache=True, **options)

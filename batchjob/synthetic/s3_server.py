@@ -127,4 +127,4 @@ class S3Server:
     def environment(self) -> dict[str, str]:
         """The variables the AWS SDKs read to reach this server with dummy credentials (as a user's would)."""
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1"}
+                "AWS_DEFAULT_REGION": "us-east-1"}
