@@ -84,6 +84,10 @@ def _pipeline_rows(stats) -> list[tuple[str, str]]:
         rows.append(("decode ms/clip", f"{stats.decode_ms_per_clip:.0f} (p90 {stats.decode_ms_per_clip_p90:.0f})"))
     if stats.engine_ms_per_clip is not None:
         rows.append(("engine ms/clip", f"{stats.engine_ms_per_clip:.0f} (p90 {stats.engine_ms_per_clip_p90:.0f})"))
+    for loader, f in stats.fetched.items():
+        share = f" ({f['file_fraction']:.1%} of each file, median)" if f.get("file_fraction") is not None else ""
+        rows.append(("fetched per clip", f"{f['mb_per_clip']:.2f} MB median, p90 {f['mb_per_clip_p90']:.2f} MB{share}, "
+                     f"{loader}; {f['clips']:.0f} remote clips, {f['total_mb']:.1f} MB, {f['retries']:.0f} retried requests"))
     if stats.bound_by:
         rows.append(("bound by", stats.bound_by))
     if stats.peak_rss_mb:

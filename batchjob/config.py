@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from batchjob.contract import MAX_OPTIONS
+from batchjob.location import LocationError, check_supported, is_url, local_path, redact, scheme
 
 
 class ConfigError(Exception):
@@ -39,7 +40,18 @@ class _Section(BaseModel):
 class DatasetConfig(_Section):
     adapter: Literal["nextqa", "mvbench", "manifest"]
     annotation: str = Field(description="NExTQA MC csv/parquet, MVBench json file or directory, manifest jsonl/csv")
-    video_root: str | None = Field(None, description="directory the annotation's video names are relative to")
+    video_root: str | None = Field(None, description="directory or URL prefix (s3://, gs://, az://, https://, "
+                                   "file://) the annotation's video names are relative to")
+
+    @field_validator("video_root")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                check_supported(v)
+            except LocationError as err:
+                raise ValueError(str(err)) from None
+        return v
     limit: int | None = Field(None, ge=1, description="only the first N questions (smoke runs)")
     options: dict[str, Any] = Field(default_factory=dict, description="adapter-specific settings")
 
@@ -118,6 +130,23 @@ class PromptConfig(_Section):
         return v
 
 
+class RemoteConfig(_Section):
+    """How clips named by URLs are read (`runtime.remote:`); credentials are never set here (see README)."""
+    attempts: int = Field(4, ge=1, le=20, description="tries per request for timeouts, 5xx and dropped connections")
+    request_timeout_s: Float = Field(20.0, gt=0, description="one request, connection to last byte")
+    read_ahead_kb: int = Field(64, ge=4, description="bytes fetched after a seek (the keyframe loaders' reads)")
+    max_read_ahead_mb: Float = Field(4.0, gt=0, description="read-ahead grows to this while reads are sequential")
+    download_cache_mb: Float = Field(4096.0, gt=0, description="local copies for loaders that need a file "
+                                     "(opencv), per decoder process; removed when it exits")
+
+    @model_validator(mode="after")
+    def _read_ahead_grows(self) -> "RemoteConfig":
+        if self.read_ahead_kb * 1024 > self.max_read_ahead_mb * 1024 * 1024:
+            raise ValueError(f"read_ahead_kb ({self.read_ahead_kb}) must not exceed max_read_ahead_mb "
+                             f"({self.max_read_ahead_mb:g})")
+        return self
+
+
 class RuntimeConfig(_Section):
     decode_actors: Literal["auto"] | Annotated[int, Field(ge=1)] = Field(
         "auto", description="CPU decoders; auto = the CPUs Ray reports, less the engines' CPUs (at least 1)")
@@ -134,6 +163,7 @@ class RuntimeConfig(_Section):
     decode_timeout_s: Float = Field(120.0, gt=0, description="a decode taking longer costs the clip an error row")
     ray_address: str | None = Field(None, description="join this Ray cluster; None = private local Ray on 127.0.0.1")
     max_error_fraction: Float = Field(0.05, ge=0, le=1, description="exit 1 when more rows than this fail")
+    remote: RemoteConfig = RemoteConfig()
 
 
 class OutputConfig(_Section):
@@ -192,6 +222,18 @@ def _resolve(base: Path, value: str) -> str:
     return str((base / Path(value).expanduser()).resolve())
 
 
+def _resolve_root(base: Path, value: str | None) -> str | None:
+    """A URL stays as written (file:// becomes its path); a path resolves against the config's directory."""
+    if value is None:
+        return None
+    if is_url(value):
+        try:
+            return local_path(value) if scheme(value) == "file" else value
+        except ValueError as err:
+            raise ConfigError(f"dataset.video_root: {err}") from None
+    return _resolve(base, value)
+
+
 def _format_validation(path: Path, err: ValidationError) -> str:
     lines = [f"{path}: invalid job config:"]
     for e in err.errors():
@@ -201,7 +243,9 @@ def _format_validation(path: Path, err: ValidationError) -> str:
             msg = "unknown key (check spelling; see configs/nextqa.yaml for every key)"
         elif e["type"] == "missing":
             msg = "required key is missing"
-        lines.append(f"  {key}: {msg} (got {e.get('input')!r})" if e["type"] != "missing" else f"  {key}: {msg}")
+        got = e.get("input")
+        got = redact(got) if is_url(got) else got   # never echo a secret written into a URL
+        lines.append(f"  {key}: {msg} (got {got!r})" if e["type"] != "missing" else f"  {key}: {msg}")
     return "\n".join(lines)
 
 
@@ -243,7 +287,7 @@ def parse_config(raw: Any, path: Path, *, date: str | None = None) -> JobConfig:
     base = path.parent
     ds = cfg.dataset.model_copy(update={
         "annotation": _resolve(base, cfg.dataset.annotation),
-        "video_root": _resolve(base, cfg.dataset.video_root) if cfg.dataset.video_root else None,
+        "video_root": _resolve_root(base, cfg.dataset.video_root),
     })
     ckpt = cfg.model.checkpoint
     local = base / Path(ckpt).expanduser()
@@ -283,7 +327,7 @@ def check_paths(cfg: JobConfig) -> None:
                          "configs/demo.yaml is meant for `batchjob demo`, which builds its files)"}[ds.adapter]
     if not Path(ds.annotation).exists():
         raise ConfigError(f"{where}: dataset.annotation: file not found: {ds.annotation}{fetch}")
-    if ds.video_root and not Path(ds.video_root).is_dir():
+    if ds.video_root and not is_url(ds.video_root) and not Path(ds.video_root).is_dir():
         raise ConfigError(f"{where}: dataset.video_root: directory not found: {ds.video_root}{fetch}")
     ckpt = cfg.model.checkpoint
     if Path(ckpt).is_absolute() and not Path(ckpt).is_dir():

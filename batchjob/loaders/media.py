@@ -35,6 +35,9 @@ def describe(source: Any) -> str:
         return f"<{len(source)} bytes of video>"
     if not hasattr(source, "read"):
         return f"<{type(source).__name__} {source!r:.40}>"
+    label = getattr(source, "source_label", None)   # a remote clip's file object names its URL (range_file.py)
+    if isinstance(label, str):
+        return label
     name = getattr(source, "name", None)
     return f"<file object {name}>" if isinstance(name, str) else "<file object>"
 
@@ -82,9 +85,14 @@ def _looks_like_mp4(source: Source) -> bool:
                 head = f.read(8)
         elif isinstance(source, (bytes, bytearray, memoryview)):
             head = bytes(source[:8])
+        elif hasattr(source, "seek") and hasattr(source, "read"):
+            where = source.tell()
+            source.seek(0)
+            head = source.read(8)
+            source.seek(where)
         else:
             return False
-    except OSError:
+    except (OSError, ValueError):   # includes LoaderError: a remote read that failed
         return False
     return head[4:8] == b"ftyp"
 

@@ -62,6 +62,8 @@ def load_adaptive(source: Source, num_frames: int = 16, *, fps: float = -1, fram
 
 @VIDEO_LOADER_REGISTRY.register(NAME)
 class PyAVAdaptiveLoader:
+    reads_file_objects = True   # URLs arrive as seekable range-reading files (batchjob.loaders.remote)
+
     @classmethod
     def load_bytes(cls, data: bytes, *, num_frames: int = 16, **kwargs) -> tuple[np.ndarray, dict]:
         return load_adaptive(data, num_frames, **kwargs)

@@ -46,6 +46,8 @@ def load_keyframes(source: Source, num_frames: int = 16, *, fps: float = -1, fra
 
 @VIDEO_LOADER_REGISTRY.register(NAME)
 class PyAVKeyframeLoader:
+    reads_file_objects = True   # URLs arrive as seekable range-reading files (batchjob.loaders.remote)
+
     @classmethod
     def load_bytes(cls, data: bytes, *, num_frames: int = 16, **kwargs) -> tuple[np.ndarray, dict]:
         return load_keyframes(data, num_frames, **kwargs)

@@ -59,6 +59,7 @@ def preflight(cfg: JobConfig) -> list[Row]:
     """Everything that can be checked without starting Ray; ConfigError (exit 2) names the key or file."""
     from batchjob.loaders import list_loaders
     from batchjob.pipeline.engines import resolve_engine
+    from batchjob.pipeline.remote_inputs import check_dataset_location
 
     where = cfg.source or "config"
     if cfg.loader.name not in list_loaders():
@@ -73,6 +74,7 @@ def preflight(cfg: JobConfig) -> list[Row]:
         raise ConfigError(f"{where}: {err}") from None
     check_paths(cfg)
     rows = load_rows(cfg.dataset)
+    check_dataset_location(cfg, rows)   # clips named by URLs: their location answers (one listing or HEAD)
     widest = max(len(r.options) for r in rows)
     if widest > len(cfg.prompt.option_labels):
         raise ConfigError(f"{where}: prompt.option_labels: {len(cfg.prompt.option_labels)} labels, but a question "
@@ -122,6 +124,7 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
     from batchjob.pipeline.engines import resolve_engine
     from batchjob.pipeline.ray_runtime import start_ray, stop_ray
     from batchjob.engine.memory_budget import host_ram_bytes
+    from batchjob.pipeline.remote_inputs import remote_options
     from batchjob.pipeline.resources import cpus_to_start, object_store_bytes, ray_resources, resolve_runtime
     from batchjob.pipeline.workers import RayWorkers
 
@@ -156,7 +159,7 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         engine_cls = resolve_engine(cfg.model.engine)
         engines = make_engines(plan.engines, plan.engine_cpus, cfg.model, cfg.prompt, plan.engine_gpus)
         decoders = make_decoders(plan.decoders, plan.decode_cpus, loader, n, kw,
-                                 engine_cls.input_preparer(cfg.model))
+                                 engine_cls.input_preparer(cfg.model), remote_options(rt))
         try:
             described = ray.get([e.describe.remote() for e in engines])
         except ray.exceptions.RayError as err:
