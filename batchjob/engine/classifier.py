@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from batchjob.metal_backend import (BlockPool, KVCache, KVCacheBudgetError, paged_attention, plan_num_blocks,
-                                    select_attention_backend, select_cuda_backend)
+                                    select_attention_backend)
 from batchjob.metal_backend.selection import gpu_portable_attention
 
 from .attention import install_paged_attention
@@ -42,23 +42,21 @@ def _default_budget_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.75)
 
 
+CUDA_REASON = "NVIDIA GPU: the portable path on cuDNN's fused SDPA (no custom CUDA kernels: docs/cuda_kernels.md)"
+
+
 def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tuple[str, str, object]:
     """(name, reason, function): our kernels for the device when they pass the probe, else the portable path."""
     if config.attention_backend == "portable":
         fn = paged_attention if checkpoint.device == "cpu" else gpu_portable_attention(checkpoint.dtype)
         return "portable", "portable path requested (attention_backend='portable')", fn
     dtype = checkpoint.dtype
-    if checkpoint.device == "cuda":
-        lm = checkpoint.model.language_model
-        kv_heads, head_dim = checkpoint.family.kv_shape(lm)   # not lm.head_dim: wrong for some Qwen3-VL
-        shape = dict(num_q_heads=lm.args.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                     block_size=config.block_size)
-        backend = select_cuda_backend(probe=True, dtype=dtype, model_shape=shape)
-    else:
-        backend = select_attention_backend(probe=True, dtype=dtype)
+    if checkpoint.device == "cuda":   # no kernel of ours beats cuDNN's SDPA there: nothing to build or probe
+        return "portable", CUDA_REASON, gpu_portable_attention(dtype)
+    backend = select_attention_backend(probe=True, dtype=dtype)
     log.info("attention backend %s: %s", backend.name, backend.reason)
     wanted = config.attention_backend
-    if wanted in ("metal", "cuda") and backend.name != wanted:
+    if wanted == "metal" and backend.name != wanted:
         raise EngineError(f"EngineConfig.attention_backend={wanted!r} but the kernels are unusable here: "
                           f"{backend.reason}; use attention_backend='auto' to fall back to the portable path")
     return backend.name, backend.reason, backend

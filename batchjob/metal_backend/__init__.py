@@ -9,7 +9,7 @@ from .block_pool import BlockPool, PoolExhaustedError, PoolStats, SeqBlocks, has
 from .kv_cache import KVCache, write_kv
 from .memory import KVCacheBudgetError, kv_bytes_per_block, plan_num_blocks
 from .metadata import AttentionMetadata, SeqSlice, build_attention_metadata, token_positions
-from .selection import AttentionBackend, batch_case, select_attention_backend, select_cuda_backend
+from .selection import AttentionBackend, select_attention_backend
 
 __all__ = [
     "AttentionBackend",
@@ -28,8 +28,6 @@ __all__ = [
     "paged_attention",
     "plan_num_blocks",
     "select_attention_backend",
-    "select_cuda_backend",
-    "batch_case",
     "token_positions",
     "write_kv",
 ]
