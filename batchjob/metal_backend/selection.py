@@ -133,9 +133,10 @@ GPU_GROUP_ROWS = 1 << 16  # query rows of one grouped SDPA call there: above any
 def gpu_portable_attention(dtype: mx.Dtype) -> AttentionFn:
     """The portable path tuned for a GPU: in bf16/fp16 MLX's SDPA is a fused kernel (cuDNN on CUDA) that never
     materialises the score matrix, so the 512-row query chunks that bound CPU memory only add launches, a
-    grouped call may hold the whole batch, and K/V views are read as they are (no copy); fp32 falls back to
-    unfused ops there, so it keeps the CPU's settings."""
+    grouped call may hold the whole batch, K/V views are read as they are (no copy), and the followers of a
+    clip are folded into one call over their shared context (read once, not once per follower); fp32 falls
+    back to unfused ops there, so it keeps the CPU's settings."""
     if dtype in (mx.bfloat16, mx.float16):
         return functools.partial(paged_attention, query_chunk=GPU_QUERY_CHUNK, group_rows=GPU_GROUP_ROWS,
-                                 contiguous_kv=False)
+                                 contiguous_kv=False, fold_followers=True)
     return paged_attention

@@ -135,7 +135,8 @@ def test_gpu_portable_path_uses_long_query_chunks_only_in_half_precision(rng):
     shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
     assert gpu_portable_attention(mx.float32) is paged_attention  # unfused on CUDA: keep score matrices small
     fn = gpu_portable_attention(mx.bfloat16)
-    assert fn.keywords == {"query_chunk": GPU_QUERY_CHUNK, "group_rows": GPU_GROUP_ROWS, "contiguous_kv": False}
+    assert fn.keywords == {"query_chunk": GPU_QUERY_CHUNK, "group_rows": GPU_GROUP_ROWS, "contiguous_kv": False,
+                           "fold_followers": True}
     batch = make_ragged_batch(rng, [700, 3], [0, 40], dtype=mx.float32, **shape)
     np.testing.assert_allclose(np.array(fn(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)),
                                np.array(paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)),
