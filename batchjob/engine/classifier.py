@@ -26,6 +26,7 @@ from .preprocess import check_frames, check_prepared, plan_video, preprocess_vid
 from .prompt import PromptBuilder
 from .runner import forward
 from .scheduler import Scheduler, Sequence
+from .token_budget import checkpoint_batched_tokens
 from .types import ClassifyRequest, ClassifyResult, EngineConfig, EngineError
 from .video_features import VideoFeatureCache, tail_first_row
 
@@ -78,6 +79,9 @@ class Classifier:
         kv_heads, head_dim = checkpoint.family.kv_shape(lm)  # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
         budget = (int(config.memory_budget_gb * 2**30) if config.memory_budget_gb else _default_budget_bytes())
         dtype_bytes = mx.zeros((), dtype=checkpoint.dtype).itemsize
+        # what `max_num_batched_tokens: auto` means here (token_budget.py)
+        self.auto_batched_tokens = checkpoint_batched_tokens(checkpoint, (kv_heads, head_dim), dtype_bytes,
+                                                             config.block_size)
         try:
             num_blocks = plan_num_blocks(
                 memory_budget_bytes=budget, weights_bytes=checkpoint.weights_bytes, num_layers=num_layers,
@@ -85,13 +89,19 @@ class Classifier:
                 max_model_len=config.max_model_len)
         except KVCacheBudgetError as exc:
             raise EngineError(str(exc)) from exc
-        cap_tokens = KV_REQUESTS_CAP * max(config.max_model_len, config.max_num_batched_tokens)
+        cap_tokens = KV_REQUESTS_CAP * max(config.max_model_len, self.max_num_batched_tokens)
         num_blocks = min(num_blocks, -(-cap_tokens // config.block_size))
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(num_layers, num_blocks, config.block_size, kv_heads, head_dim, checkpoint.dtype)
         self._features = VideoFeatureCache(config.block_size)
         self.vision_calls = 0  # vision-tower runs (each encodes one clip); the sharing tests count them
         self._call_ids = itertools.count()
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Tokens per forward pass: the config's number, or what `auto` resolved to for this model and device."""
+        value = self.config.max_num_batched_tokens
+        return self.auto_batched_tokens if value == "auto" else int(value)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike, config: EngineConfig | None = None) -> "Classifier":
@@ -152,7 +162,7 @@ class Classifier:
     def _classify(self, requests: Seq[ClassifyRequest]) -> list[ClassifyResult]:
         call_id = next(self._call_ids)
         results: list[ClassifyResult | None] = [None] * len(requests)
-        scheduler = Scheduler(self.pool, self.config.max_num_batched_tokens)
+        scheduler = Scheduler(self.pool, self.max_num_batched_tokens)
         pending: dict[str, int] = {}
         # Requests of one clip go together: stable grouping by media id in first-appearance order.
         first_seen: dict[str, int] = {}
