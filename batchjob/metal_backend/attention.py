@@ -180,8 +180,10 @@ def paged_attention(
             ctx = meta.context_lens_host[list(call.seqs)]
             mask = _memo(meta, plan_key + (i, "key_mask"),
                          lambda: mx.array(np.arange(call.k_len)[None, :] < ctx[:, None])[:, None, None, :])
-        elif mask == "visible":
-            mask = _memo(meta, plan_key + (i, "visible"), lambda: mx.array(call.visible)[None, None])
+        elif mask == "visible":   # additive, in the compute dtype, built once per forward (CUDA's SDPA takes
+            # no boolean mask: MLX would convert one in every layer)
+            mask = _memo(meta, plan_key + (i, "visible", q.dtype), lambda: mx.where(
+                mx.array(call.visible), mx.array(0.0, q.dtype), mx.array(-float("inf"), q.dtype))[None, None])
         o = mx.fast.scaled_dot_product_attention(q_g, k, v, scale=scale, mask=mask)  # [batch, Hq, q_len, D]
         pieces.append(o.transpose(0, 2, 1, 3).reshape(call.batch * call.q_len, hq, d))
     out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)

@@ -311,16 +311,18 @@ def test_followers_of_a_clip_fold_into_one_call_over_their_shared_context(rng, d
     assert np.abs(np.array(out).astype(np.float64) - dense_reference(batch, 0.2)).max() < 1e-5
 
 
-def test_twelve_followers_are_one_call_that_reads_the_prefix_once(rng, dense_reference, monkeypatch):
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-5), (mx.bfloat16, 3e-2)])
+def test_twelve_followers_are_one_call_that_reads_the_prefix_once(rng, dense_reference, monkeypatch, dtype, tol):
     """The engine's follower case: 12 questions of 40 tokens over a 2,064-token cached clip prefix."""
     q_lens, cached = [40] * 12, [2064] * 12
     batch = make_ragged_batch(rng, q_lens, cached, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
-                              prefix_groups=[0] * 12, shared_blocks=2064 // 16)
+                              prefix_groups=[0] * 12, shared_blocks=2064 // 16, dtype=dtype)
     spy = SdpaSpy(monkeypatch)
     out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, new_kv=new_kv_of(batch),
                           **SETTINGS["gpu"])
     assert spy.calls == [((1, 4, 480, 32), (1, 2, 2064 + 480, 32))]   # vs 12 x (2064 + 40) keys padded
-    assert np.abs(np.array(out).astype(np.float64) - dense_reference(batch, 0.2)).max() < 1e-5
+    assert out.dtype == dtype
+    assert np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - dense_reference(batch, 0.2)).max() < tol
     unshared = make_ragged_batch(rng, q_lens, cached, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
     spy.calls.clear()   # followers of different clips (no shared blocks): the padded call, as before
     paged_attention(unshared.q, unshared.k_cache, unshared.v_cache, unshared.meta, 0.2, **SETTINGS["gpu"])
