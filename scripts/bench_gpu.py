@@ -49,8 +49,9 @@ PROFILE = ("lm_forwards_per_prefill", "lm_layer_ms", "lm_layer_matmuls_share", "
            "mlx_vlm_vision_host_syncs")
 
 
-def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> dict:
-    """One model's row: build, vision, LM prefill (equal and ragged), end to end, attention, transformers."""
+def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[dict, dict]:
+    """One model's engine row (build, vision, LM prefill equal and ragged, profiles, end to end, attention) and
+    the arguments of its transformers baseline, run once this function's MLX model is gone."""
     import mlx.core as mx
 
     dims = dict(SHAPES[model_type][1 if args.smoke else 0])
@@ -94,16 +95,14 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> dict:
     # Vision tower: as the engine calls it (host pixels in, plan cached) vs mlx-vlm's forward; then the profile.
     inputs = workload[0].clip.inputs
     encode = ckpt.family.encode_video
-    px = mx.array(inputs.pixel_values).astype(ckpt.dtype)
     v_ours = ms_per_call(lambda: encode(ckpt.model, inputs.pixel_values, grid, ckpt.dtype), 1, 5) / 1e3
-    v_theirs = ms_per_call(lambda: ckpt.model.vision_tower(px, mx.array([list(grid)])), 1, 3) / 1e3
+    v_theirs = _mlx_vlm_tower_seconds(ckpt, inputs)
     v_flops = vision_flops_per_clip(grid, v_layers, model_type, dims)
     row["vision"] = {"ms_per_clip": v_ours * 1e3, "mlx_vlm_ms_per_clip": v_theirs * 1e3, "flops_per_clip": v_flops,
                      "tflops": v_flops / v_ours / 1e12, "ms_per_block": v_ours * 1e3 / v_layers}
     row["vision_profile"] = profile_tower(bench, inputs, ceiling, inner=args.inner, repeats=args.repeats)
     print(f"[{model_type}] vision {v_ours * 1e3:.1f} ms/clip ({v_flops / v_ours / 1e12:.0f} TFLOP/s), mlx-vlm "
           f"{v_theirs * 1e3:.1f} ms", flush=True)
-    del px
     lap("vision")
 
     forwards = []
@@ -187,19 +186,20 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> dict:
     shape = dict(num_q_heads=lm.args.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim)
     row["attention"] = attention_cases(ckpt.dtype, clf._attention, args.repeats, shape, small=args.smoke)
     lap("attention")
-    # transformers gets the GPU to itself: the MLX model, its KV cache and MLX's buffer cache are freed first
     needed = workload[:max(args.hf_sequential, args.hf_batch * args.hf_batches)]
     ids = {r.request_id: prompt_ids(bench, r) for r in needed}
-    config_dir, video_token_id = bench.config_dir, ckpt.video_token_id
-    del bench, clf, ckpt, lm
-    gc.collect()
-    mx.clear_cache()
-    if not args.skip_transformers:
-        row["transformers"] = transformers_baseline(config_dir, needed, lambda r: ids[r.request_id], video_token_id,
-                                                    args.hf_sequential, args.hf_batch, args.hf_batches, model_type)
-        print(f"[{model_type}] transformers: {row['transformers']}", flush=True)
-        lap("transformers")
-    return row
+    hf_job = dict(cfg_dir=bench.config_dir, workload=needed, token_ids=lambda r: ids[r.request_id],
+                  video_token_id=ckpt.video_token_id, seq_requests=args.hf_sequential, batch_size=args.hf_batch,
+                  batches=args.hf_batches, model_type=model_type)
+    return row, hf_job
+
+
+def _mlx_vlm_tower_seconds(ckpt, inputs) -> float:
+    """mlx-vlm's own tower forward on the same clip (device pixels; its window fix and the load-time swaps in)."""
+    import mlx.core as mx
+
+    px = mx.array(inputs.pixel_values).astype(ckpt.dtype)
+    return ms_per_call(lambda: ckpt.model.vision_tower(px, mx.array([list(inputs.grid_thw)])), 1, 3) / 1e3
 
 
 def _contiguous_seconds(ckpt, batch: int, length: int, dims: dict, repeats: int) -> float:
@@ -306,6 +306,7 @@ def main() -> None:
     ceiling_mlx = mlx_matmul_ceiling(512 if args.smoke else 8192)
     ceiling_torch = ceiling_mlx if args.smoke else torch_matmul_ceiling()
     report["matmul_ceiling_tflops"] = {"mlx": ceiling_mlx / 1e12, "torch": ceiling_torch / 1e12}
+    import mlx.core as mx
     print(f"bf16 matmul ceiling: MLX {ceiling_mlx / 1e12:.0f} TFLOP/s, torch {ceiling_torch / 1e12:.0f}", flush=True)
     out = Path(args.out)
     stem = "L{}-V{}".format(args.layers or "all", args.vision_layers or "all")
@@ -317,7 +318,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     report["figures"] = {}
     for model_type in args.model:
-        row = run_model(model_type, args, ceiling_mlx, tmp, save)
+        row, hf_job = run_model(model_type, args, ceiling_mlx, tmp, save)
+        gc.collect()   # transformers gets the GPU to itself: the MLX model, its KV cache and buffer cache go first
+        mx.clear_cache()
+        if not args.skip_transformers:
+            t0 = time.perf_counter()
+            row["transformers"] = transformers_baseline(**hf_job)
+            row["timings_s"]["transformers"] = round(time.perf_counter() - t0, 2)
+            print(f"[{model_type}] transformers: {row['transformers']}", flush=True)
         save(model_type, row)
         prefix = "" if model_type == "qwen2_5_vl" else f"{model_type}."
         report["figures"].update({prefix + k: v for k, v in figures(row, ceiling_mlx, ceiling_torch).items()})

@@ -24,58 +24,64 @@ def attention_cases(dtype, engine_attention, repeats: int, shape: dict, small: b
     `engine_attention_first_call_ms` (its very first call on these shapes: plan, compilation, cuDNN graph
     build), `engine_attention_sdpa_calls`, and `sdpa_padded_ms` (one SDPA over the batch padded to its longest
     query and context, K/V already gathered: what a padded engine pays for attention alone)."""
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, (q_lens, cached, shared) in (SMALL if small else CASES).items():
+        out[name] = _case(rng, dtype, engine_attention, repeats, shape, q_lens, cached, shared)
+        gc.collect()   # the case's cache and padded copies go before the next one's
+    return out
+
+
+def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cached, shared: bool) -> dict:
     import mlx.core as mx
 
     from batchjob.metal_backend import paged_attention
     from batchjob.metal_backend.probe import make_ragged_batch
 
-    rng = np.random.default_rng(0)
     hq, hkv, d = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
-    out = {}
-    for name, (q_lens, cached, shared) in (SMALL if small else CASES).items():
-        block_size = 16
-        b = make_ragged_batch(rng, q_lens, cached, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=block_size,
-                              dtype=dtype, shuffle_blocks=False, prefix_groups=[0 if shared else -1] * len(q_lens),
-                              shared_blocks=min(cached) // block_size if shared else 0)
-        scale = d ** -0.5
-        row = {"flops": 4 * hq * d * sum(q * c + q * (q + 1) / 2 for q, c in zip(q_lens, cached))}
-        bench = lambda fn: ms_per_call(fn, inner=1, repeats=repeats)  # noqa: E731
-        row["sdpa_per_sequence_ms"] = bench(lambda: paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale,
-                                                                    group_rows=1))
-        new_kv = tuple(c.reshape(-1, hkv, d)[b.meta.slot_mapping] for c in (b.k_cache, b.v_cache))
-        mx.eval(new_kv)
+    block_size = 16
+    b = make_ragged_batch(rng, q_lens, cached, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=block_size,
+                          dtype=dtype, shuffle_blocks=False, prefix_groups=[0 if shared else -1] * len(q_lens),
+                          shared_blocks=min(cached) // block_size if shared else 0)
+    scale = d ** -0.5
+    row = {"flops": 4 * hq * d * sum(q * c + q * (q + 1) / 2 for q, c in zip(q_lens, cached))}
 
-        def engine(replan: bool):
-            if replan:
-                b.meta.plan_cache.clear()
-            return engine_attention(b.q, b.k_cache, b.v_cache, b.meta, scale, new_kv=new_kv)
+    def bench(fn):
+        return ms_per_call(fn, inner=1, repeats=repeats)
 
-        try:
+    row["sdpa_per_sequence_ms"] = bench(lambda: paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale,
+                                                                group_rows=1))
+    new_kv = tuple(c.reshape(-1, hkv, d)[b.meta.slot_mapping] for c in (b.k_cache, b.v_cache))
+    mx.eval(new_kv)
+
+    def engine(replan: bool):
+        if replan:
             b.meta.plan_cache.clear()
-            t0 = time.perf_counter()
-            mx.eval(engine(True))
-            row["engine_attention_first_call_ms"] = (time.perf_counter() - t0) * 1e3
-            row["engine_attention_ms"] = bench(lambda: engine(True))
-            row["engine_attention_planned_ms"] = bench(lambda: engine(False))
-            plans = [v for k, v in b.meta.plan_cache.items() if k[0] == "attention_plan" and len(k) == 5]
-            if plans:
-                row["engine_attention_sdpa_calls"] = plans[0].num_calls
-                row["engine_attention_folded_calls"] = sum(c.key_slots is not None for c in plans[0].calls)
-        except Exception as exc:
-            row["engine_attention_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        lq, lc = max(q_lens), max(q + c for q, c in zip(q_lens, cached))
-        qp = mx.random.normal((len(q_lens), hq, lq, d)).astype(dtype)
-        kp = mx.random.normal((len(q_lens), hkv, lc, d)).astype(dtype)
-        vp = mx.random.normal((len(q_lens), hkv, lc, d)).astype(dtype)
-        try:
-            row["sdpa_padded_ms"] = bench(lambda: mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=scale,
-                                                                                       mask="causal"))
-        except Exception as exc:
-            row["sdpa_padded_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        best = min(row[k] for k in ("sdpa_per_sequence_ms", "engine_attention_ms") if k in row)
-        row["best_paged_ms"] = best
-        row["best_tflops"] = row["flops"] / best / 1e9
-        out[name] = row
-        del b, qp, kp, vp, new_kv
-        gc.collect()
-    return out
+        return engine_attention(b.q, b.k_cache, b.v_cache, b.meta, scale, new_kv=new_kv)
+
+    try:
+        b.meta.plan_cache.clear()
+        t0 = time.perf_counter()
+        mx.eval(engine(True))
+        row["engine_attention_first_call_ms"] = (time.perf_counter() - t0) * 1e3
+        row["engine_attention_ms"] = bench(lambda: engine(True))
+        row["engine_attention_planned_ms"] = bench(lambda: engine(False))
+        plans = [v for k, v in b.meta.plan_cache.items() if k[0] == "attention_plan" and len(k) == 5]
+        if plans:
+            row["engine_attention_sdpa_calls"] = plans[0].num_calls
+            row["engine_attention_folded_calls"] = sum(c.key_slots is not None for c in plans[0].calls)
+    except Exception as exc:
+        row["engine_attention_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    lq, lc = max(q_lens), max(q + c for q, c in zip(q_lens, cached))
+    qp = mx.random.normal((len(q_lens), hq, lq, d)).astype(dtype)
+    kp = mx.random.normal((len(q_lens), hkv, lc, d)).astype(dtype)
+    vp = mx.random.normal((len(q_lens), hkv, lc, d)).astype(dtype)
+    try:
+        row["sdpa_padded_ms"] = bench(lambda: mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=scale,
+                                                                                   mask="causal"))
+    except Exception as exc:
+        row["sdpa_padded_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    best = min(row[k] for k in ("sdpa_per_sequence_ms", "engine_attention_ms") if k in row)
+    row["best_paged_ms"] = best
+    row["best_tflops"] = row["flops"] / best / 1e9
+    return row

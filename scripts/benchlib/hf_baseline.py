@@ -11,8 +11,19 @@ import numpy as np
 from .ceilings import median
 
 
-def transformers_baseline(cfg_dir: Path, workload, token_ids, video_token_id: int, seq_requests: int,
-                          batch_size: int, batches: int, model_type: str) -> dict:
+def transformers_baseline(**kwargs) -> dict:
+    """`_measure`, then its model freed and torch's cache emptied (the next model row needs the GPU)."""
+    import torch
+
+    result = _measure(**kwargs)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def _measure(cfg_dir: Path, workload, token_ids, video_token_id: int, seq_requests: int, batch_size: int,
+             batches: int, model_type: str) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -84,8 +95,4 @@ def transformers_baseline(cfg_dir: Path, workload, token_ids, video_token_id: in
             sync()
             times.append(time.perf_counter() - t0)
     result["vision_ms_per_clip"] = median(times) * 1e3
-    del model
-    gc.collect()
-    if dev == "cuda":
-        torch.cuda.empty_cache()
     return result
