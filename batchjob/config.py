@@ -75,7 +75,9 @@ class ModelConfig(_Section):
     device: Literal["auto", "cpu", "gpu"] = Field("auto", description="auto = Metal or CUDA GPU when MLX sees one")
     min_pixels: int | None = Field(None, ge=1)
     max_pixels: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=16)
+    max_num_batched_tokens: Literal["auto"] | Annotated[int, Field(ge=16)] = Field(
+        "auto", description="tokens per forward pass (packing budget); auto = from the model and the device's "
+        "memory (8192 on a CPU, up to 32768 on a GPU)")
     max_model_len: int = Field(32768, ge=16)
     memory_budget_gb: Float | None = Field(None, gt=0)
     temporal_step: Literal["nominal", "actual"] = Field(

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import yaml
 
-from batchjob.engine.memory_budget import activation_bytes
-from batchjob.engine.footprint import Quantization, kv_bytes_per_token, kv_layout, parameter_counts, weights_bytes
+from batchjob.engine.token_budget import activation_bytes_per_token, auto_batched_tokens
+from batchjob.engine.footprint import (Quantization, kv_bytes_per_token, kv_layout, parameter_counts, text_settings,
+                                      weights_bytes)
 from batchjob.engine.published_configs import PUBLISHED_CONFIGS
 from batchjob.engine.types import EngineConfig
 from batchjob.metal_backend.memory import kv_bytes_per_block
@@ -50,13 +51,19 @@ def prompt_tokens(config: dict) -> int:
 
 
 def forward_activations(config: dict, dtype_bytes: int = 2) -> int:
-    """One forward's activations at the shipped config's token budget (the engine's estimate)."""
+    """One forward's activations at the shipped config's token budget on a GPU (`auto`: what an 80 GB GPU gets,
+    the most the rule gives), by the engine's own per-token estimate (engine/token_budget.py)."""
     family = "qwen3_vl" if config["model_type"].startswith("qwen3") else "qwen2_5_vl"
-    tokens = yaml.safe_load(SHIPPED[family].read_text())["model"]["max_num_batched_tokens"]
-    tokens = EngineConfig().max_num_batched_tokens if tokens == "auto" else int(tokens)
-    text = config.get("text_config") or config
-    return activation_bytes(tokens=tokens, hidden=int(text["hidden_size"]),
-                            intermediate=int(text["intermediate_size"]), dtype_bytes=dtype_bytes)
+    tokens = yaml.safe_load(SHIPPED[family].read_text())["model"].get("max_num_batched_tokens", "auto")
+    text = text_settings(config)
+    layers, kv_heads, head_dim = kv_layout(config)
+    moe = text.get("moe_intermediate_size", 0) * text.get("num_experts_per_tok", 0)
+    per_token = activation_bytes_per_token(hidden=text["hidden_size"], intermediate=max(
+        text.get("intermediate_size", 0), moe), num_heads=text["num_attention_heads"], num_kv_heads=kv_heads,
+        head_dim=head_dim, dtype_bytes=dtype_bytes)
+    if tokens == "auto":
+        tokens = auto_batched_tokens("cuda", memory_bytes=80 * GIB, weights_bytes=0, bytes_per_token=per_token)
+    return int(tokens) * per_token
 
 
 def minimum_budget_bytes(config: dict, weights: int, max_model_len: int, block_size: int = 16,

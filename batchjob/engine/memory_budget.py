@@ -138,12 +138,6 @@ class MemoryPlan:
                 "budget_bytes": self.budget_bytes, "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes}
 
 
-def activation_bytes(*, tokens: int, hidden: int, intermediate: int, dtype_bytes: int) -> int:
-    """A forward pass's transient memory: the residual stream, q/k/v/o and the MLP's three intermediates for
-    `tokens` packed tokens, twice over for what is alive across an op (MLX frees as it goes)."""
-    return 2 * tokens * (6 * hidden + 3 * intermediate) * dtype_bytes
-
-
 def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 

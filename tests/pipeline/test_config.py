@@ -146,7 +146,7 @@ def _random_settings(rng: random.Random) -> tuple[dict, dict]:
     lo, hi = rng.choice([None, 3136, 50176, 200704]), rng.choice([None, 3136, 50176, 200704])
     model = {"checkpoint": "ckpt", "min_pixels": lo, "max_pixels": hi,
              "dtype": rng.choice(["auto", "float32", "bfloat16"]), "temporal_step": rng.choice(["nominal", "actual"]),
-             "max_model_len": rng.choice([16, 4096]), "max_num_batched_tokens": rng.choice([16, 8192])}
+             "max_model_len": rng.choice([16, 4096]), "max_num_batched_tokens": rng.choice([16, 8192, "auto"])}
     prompt = {"option_labels": labels, "template": rng.choice([None, "{question} {options}", "Q: {question}"])}
     return model, prompt
 
