@@ -290,7 +290,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--inner", type=int, default=5, help="calls queued per sync in the profiles")
     parser.add_argument("--max-num-batched-tokens", default="auto", type=lambda v: v if v == "auto" else int(v))
-    parser.add_argument("--memory-budget-gb", type=float, default=60.0)
+    parser.add_argument("--memory-budget-gb", type=float, default=None, help="default: the engine sizes it from the device")
     parser.add_argument("--hf-sequential", type=int, default=12, help="requests timed one at a time in transformers")
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--hf-batches", type=int, default=2)

@@ -207,15 +207,24 @@ def test_engine_matches_mlx_vlm_on_the_same_quantized_weights(family, bits, visi
 
 @pytest.mark.parametrize("family", SPECS)
 def test_in_bf16_the_gpu_dtype(family, checkpoints, rng, make_clip, make_request, monkeypatch):
-    """As on Apple and NVIDIA GPUs: bf16 activations, scales and biases kept as stored; the reference is mlx-vlm
-    on the files as they are."""
+    """As on Apple and NVIDIA GPUs: bf16 activations, scales and biases kept as stored. bf16 rounds differently in
+    any two implementations (the engine fuses q/k/v and the rotary step), so the bar is mlx-vlm's own bf16 error:
+    against mlx-vlm in fp32 on the same files, the engine's bf16 logits are no further off than twice mlx-vlm's
+    bf16 forward is (plus a floor of a few bf16 steps)."""
     path = checkpoints(family, 4)
     clf = Classifier.from_pretrained(path, EngineConfig(max_model_len=4096, memory_budget_gb=1.0, dtype="bfloat16"))
     _assert_runs_the_stored_layers(clf, path, 4, False)
     requests = _requests(rng, make_clip, make_request, f"{path.name}-bf16")
-    _, worst_logprob, worst_logit = _compare_with_mlx_vlm(clf, _mlx_vlm_reference(path, mx.bfloat16), requests,
-                                                          monkeypatch, BF16_TOLERANCE)
-    print(f"{family} 4-bit bf16: max |dlogprob| {worst_logprob:.1e}, max |dlogit| {worst_logit:.1e}")
+    results, logits = _classify_with_logits(clf, requests, monkeypatch)
+    assert all(r.error is None for r in results) and any(r.cached_tokens > 0 for r in results)
+    exact, bf16 = _mlx_vlm_reference(path, mx.float32), _mlx_vlm_reference(path, mx.bfloat16)
+    engine_err = mlx_vlm_err = 0.0
+    for i, request in enumerate(requests):
+        want = _reference_logits(exact, clf, request)
+        engine_err = max(engine_err, float(np.abs(logits[i] - want).max()))
+        mlx_vlm_err = max(mlx_vlm_err, float(np.abs(_reference_logits(bf16, clf, request) - want).max()))
+    print(f"{family} 4-bit bf16 vs fp32: engine {engine_err:.3f}, mlx-vlm {mlx_vlm_err:.3f}")
+    assert mlx_vlm_err > 0 and engine_err <= 2 * mlx_vlm_err + 0.05, (engine_err, mlx_vlm_err)
 
 
 @pytest.mark.parametrize("family,bits,vision", CASES, ids=IDS)
