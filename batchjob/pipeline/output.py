@@ -341,9 +341,12 @@ def read_output(directory: str | Path) -> pa.Table:
 
 
 def read_file_metadata(directory: str | Path) -> dict[str, Any]:
-    """Config, fingerprint and versions stored in the newest part's Parquet metadata."""
-    parts = complete_parts(Path(directory))
-    if not parts:
-        return {}
-    meta = pq.read_schema(parts[-1]).metadata or {}
-    return json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else {}
+    """Config, fingerprint and versions stored in the newest part's Parquet metadata (the newest whose
+    metadata still reads: it is informational, and not covered by the page checksums)."""
+    for part in reversed(complete_parts(Path(directory))):
+        try:
+            meta = pq.read_schema(part).metadata or {}
+            return json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else {}
+        except (pa.ArrowException, OSError, ValueError):
+            continue
+    return {}

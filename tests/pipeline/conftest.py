@@ -185,6 +185,20 @@ def read_rows(out_dir: Path):
     return read_output(out_dir).to_pylist()
 
 
+def reader_counts(out: Path) -> dict[str, int]:
+    """An output's rows as other tools count them: pyarrow's dataset discovery, pyarrow on the folder, DuckDB's
+    globs (temporaries, staged and damaged parts must be invisible to every one of them)."""
+    import duckdb
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    counts = {"pyarrow.dataset": pads.dataset(out, format="parquet").count_rows(),
+              "pq.read_table(dir)": pq.read_table(out).num_rows}
+    for glob in ("*.parquet", "part-*", "**/*.parquet"):
+        counts[f"duckdb {glob}"] = duckdb.sql(f"SELECT count(*) FROM read_parquet('{out}/{glob}')").fetchall()[0][0]
+    return counts
+
+
 def manifest_records(manifest: Path) -> list[dict]:
     return [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
 
@@ -198,4 +212,4 @@ def h():
                            kill_tree=kill_tree,
                            descendants=descendants, read_rows=read_rows, manifest_records=manifest_records,
                            expected_choice=expected_choice, frame_signature=frame_signature, ROOT=ROOT,
-                           TEST_ENGINE=TEST_ENGINE, CONSOLE=CONSOLE)
+                           TEST_ENGINE=TEST_ENGINE, CONSOLE=CONSOLE, reader_counts=reader_counts)
