@@ -156,12 +156,20 @@ def missing_clips(rows: Sequence[Row]) -> MissingClips:
     return MissingClips(len(exists), local_rows, missing, missing_rows)
 
 
-def refuse_if_no_clip_exists(cfg: JobConfig, missing: MissingClips) -> None:
-    """A run whose every clip is missing would only write error rows: a wrong video_root or an unmounted share."""
-    if missing.all_missing:
-        root = cfg.dataset.video_root or str(Path(cfg.dataset.annotation).parent)
-        raise ConfigError(f"{_where(cfg)}: none of the {missing.clips} clips to decode exists ({missing.describe()}); "
-                          f"check dataset.video_root ({root}) and that its disk or share is mounted")
+def refuse_if_no_clip_exists(cfg: JobConfig, to_decode: Sequence[Row], rows: Sequence[Row]) -> None:
+    """A run that would only write error rows because none of the dataset's clips is there (a wrong video_root,
+    an unmounted share) stops instead. A few clips that are really gone still become error rows (retried by
+    `--retry-errors`, night after night if need be) as long as any clip of the dataset exists."""
+    missing = missing_clips(to_decode)
+    if not missing.all_missing:
+        return
+    known = set(missing.missing)
+    others = {r.video for r in rows if "://" not in r.video and r.video not in known}
+    if any(os.path.isfile(v) for v in others):
+        return
+    root = cfg.dataset.video_root or str(Path(cfg.dataset.annotation).parent)
+    raise ConfigError(f"{_where(cfg)}: none of the dataset's clips exists ({missing.describe()}); check "
+                      f"dataset.video_root ({root}) and that its disk or share is mounted")
 
 
 def output_problems(cfg: JobConfig) -> list[str]:

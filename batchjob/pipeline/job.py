@@ -18,7 +18,7 @@ from batchjob.pipeline.output import PartWriter, lock_output, prepare_output, re
 from batchjob.pipeline.resume import RESUME_COLUMNS, ResumePlan, answered_rows, plan_resume, rescore_rows
 from batchjob.pipeline.retry import RowSink, commit_retry, staging_writer
 from batchjob.pipeline.work import group_by_clip
-from batchjob.preflight import missing_clips, preflight, refuse_if_no_clip_exists
+from batchjob.preflight import preflight, refuse_if_no_clip_exists
 
 
 class EngineStartError(RuntimeError):
@@ -95,7 +95,7 @@ def _resume(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOptions
     if commit_retry(out_dir):   # a replacement a crash interrupted (it moves rows, never adds or drops one)
         existing = read_verified(out_dir, RESUME_COLUMNS)
     plan = plan_resume(rows, answered_rows(existing), retry_errors=options.retry_errors)
-    refuse_if_no_clip_exists(cfg, missing_clips([r for r in rows if r.row_id in plan.run]))
+    refuse_if_no_clip_exists(cfg, [r for r in rows if r.row_id in plan.run], rows)
     stats.repaired_parts = [d.path.name for d in prepared.moved]
     stats.rescored_rows = rescore_rows(out_dir, plan.rescore)
     stats.edited_rows, stats.retried_rows = plan.edited, plan.retried

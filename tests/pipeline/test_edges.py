@@ -186,6 +186,34 @@ def test_validate_reports_missing_clips(tmp_path, h, synthetic):
     assert nothing_written(tmp_path / "out")
 
 
+def test_a_few_missing_clips_never_stop_a_run(tmp_path, synthetic):
+    """Only a dataset none of whose clips exists stops a run: clips that are really gone keep becoming error rows
+    (so a nightly retry of them does not fail every night)."""
+    from batchjob.config import ConfigError, load_config
+    from batchjob.datasets import load_rows
+    from batchjob.preflight import refuse_if_no_clip_exists
+
+    manifest, clips = synthetic
+    data = copy_dataset(tmp_path, manifest)
+    gone = random.Random().sample([c["video"] for c in clips], 3)
+    for name in gone:
+        (data.parent / "clips" / name).unlink()
+    cfg_path = tmp_path / "job.yaml"
+    cfg_path.write_text(yaml.safe_dump({"job": "t", "dataset": {"adapter": "manifest", "annotation": str(data),
+                                                                "video_root": str(data.parent / "clips")},
+                                        "model": {"checkpoint": "Org/model", "engine": "vllm"},
+                                        "output": {"directory": str(tmp_path / "out")}}))
+    cfg = load_config(cfg_path)
+    rows = load_rows(cfg.dataset)
+    pending = [r for r in rows if Path(r.video).name in gone]
+    refuse_if_no_clip_exists(cfg, pending, rows)                 # the others exist: error rows, no refusal
+    refuse_if_no_clip_exists(cfg, [], rows)
+    for c in clips:
+        (data.parent / "clips" / c["video"]).unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match="none of the dataset's clips exists"):
+        refuse_if_no_clip_exists(cfg, pending, rows)
+
+
 def write_output(directory: Path, rows: int, fingerprint: str, rng: random.Random, per_part: int = 4) -> None:
     from batchjob.pipeline.output import MANIFEST, PartWriter
 
