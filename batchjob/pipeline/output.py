@@ -25,7 +25,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 MANIFEST = "_job.json"
-PART_GLOB = "part-*.parquet"
 DAMAGED = "_damaged"        # where --repair moves damaged parts (readers skip `_` folders)
 METADATA_KEY = b"batchjob"
 
@@ -144,6 +143,14 @@ def write_part(path: Path, table: pa.Table) -> None:
     atomic_write(path, lambda fh: pq.write_table(table, fh, write_page_checksum=True))
 
 
+class PartUnreadable(Exception):
+    """One part file cannot be read back (truncated, garbled, not Parquet)."""
+
+    def __init__(self, damaged: DamagedPart):
+        super().__init__(f"{damaged.path}: {damaged.reason}")
+        self.damaged = damaged
+
+
 def read_part(path: Path, columns: list[str] | None = None) -> pa.Table:
     """One part in the output schema, checksums verified; raises PartUnreadable with the reason."""
     try:
@@ -151,12 +158,6 @@ def read_part(path: Path, columns: list[str] | None = None) -> pa.Table:
     except (pa.ArrowException, OSError, ValueError, EOFError) as err:
         raise PartUnreadable(DamagedPart(path, _reason(err))) from None
     return table.select(columns) if columns else table
-
-
-class PartUnreadable(Exception):
-    def __init__(self, damaged: DamagedPart):
-        super().__init__(f"{damaged.path}: {damaged.reason}")
-        self.damaged = damaged
 
 
 def _reason(err: BaseException) -> str:
