@@ -268,8 +268,15 @@ def schedule(definition: Path = typer.Argument(..., help="nightly definition YAM
     from batchjob.nightly.schedule import (ScheduleError, cron_line, invocation, label, launchd_plist,
                                            systemd_units, unit_name)
 
+    from batchjob.preflight import check_output_dir
+
     d = _definition(definition)
     _check_jobs(d)
+    if write_dir is not None:
+        try:
+            check_output_dir(write_dir, "--write-dir")
+        except ConfigError as e:
+            raise _fail(str(e))
     inv = invocation(d)
     Path(inv.log).parent.mkdir(parents=True, exist_ok=True)    # the scheduler appends to it
     try:

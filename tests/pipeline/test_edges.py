@@ -43,6 +43,11 @@ def test_output_paths_are_checked_before_any_work(tmp_path, h, synthetic):
     assert "output.directory" not in res.stderr
     inside = h.write_config(tmp_path / "job2.yaml", manifest, output={"directory": str(blocker / "out")})
     assert_refused(h.run_console("validate", str(inside)), 2, "output.directory", "is a file")
+    definition = tmp_path / "nightly.yaml"
+    definition.write_text(yaml.safe_dump({"name": "n", "schedule": "0 2 * * *", "history": "hist", "jobs": [str(cfg)]}))
+    for flags in (["--write-dir", str(blocker / "units")], ["--html", str(tmp_path)]):
+        command = ["schedule", str(definition)] if flags[0] == "--write-dir" else ["report", str(definition)]
+        assert_refused(h.run_console(*command, *flags), 2, flags[0])
 
 
 # -- 4: an unknown prompt placeholder ----------------------------------------------------------------------------

@@ -145,10 +145,12 @@ def test_sigint_leaves_nothing_a_reader_counts(tmp_path, h, synthetic, isolated_
     cfg = h.write_config(tmp_path / "job.yaml", manifest, output={"rows_per_part": 1, "flush_seconds": 0.05})
     out = tmp_path / "out"
     rng = random.Random()
+    interrupted = 0
     for attempt in range(2):
         proc = subprocess.Popen([str(h.CONSOLE), "run", str(cfg), "--quiet"],
                                 env=h.cli_env(BATCHJOB_TEST_ENGINE_DELAY="0.3"), cwd=h.ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as a terminal
         before = len(list(out.glob("part-*.parquet")))
         deadline = time.monotonic() + 120
         while len(list(out.glob("part-*.parquet"))) <= before and time.monotonic() < deadline:
@@ -157,11 +159,13 @@ def test_sigint_leaves_nothing_a_reader_counts(tmp_path, h, synthetic, isolated_
         proc.send_signal(signal.SIGINT)               # Ctrl-C, or a cron wrapper's SIGINT
         _, err = proc.communicate(timeout=120)
         assert proc.returncode in (130, 0), err[-3000:]
+        interrupted += proc.returncode == 130
         report = json.loads(h.run_console("report", str(out), "--json").stdout)
         counts = h.reader_counts(out)
         assert set(counts.values()) == {report["rows"]}, (counts, report["rows"], sorted(p.name for p in
                                                                                           out.iterdir()))
         assert not [p for p in out.iterdir() if p.name.endswith(".tmp") and not p.name.startswith(".")]
+    assert interrupted, "no run was interrupted: the test proved nothing"
     res = h.run_console("run", str(cfg), "--quiet")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = h.read_rows(out)

@@ -257,6 +257,12 @@ def test_a_killed_write_leaves_nothing_a_reader_counts(tmp_path, rng, h):
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
+def default_sigint() -> None:
+    """A shell starts background jobs with SIGINT ignored, and Python then never raises KeyboardInterrupt:
+    give the child the disposition a terminal gives it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_mid_write_leaves_no_temporary(tmp_path, rng, h):
     """SIGINT while a part's bytes are written: the torn temporary is removed as the interrupt unwinds."""
     script = tmp_path / "writer.py"
@@ -264,7 +270,8 @@ def test_ctrl_c_mid_write_leaves_no_temporary(tmp_path, rng, h):
     out = tmp_path / "out"
     out.mkdir()
     k = rng.randrange(1, 9)
-    res = subprocess.run([sys.executable, str(script), str(out), str(k), "sigint"], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, str(script), str(out), str(k), "sigint"], capture_output=True, text=True,
+                         preexec_fn=default_sigint)
     assert "KeyboardInterrupt" in res.stderr and res.returncode != 0
     assert sorted(p.name for p in out.iterdir()) == [f"part-{i:05d}.parquet" for i in range(k)]
     counts = h.reader_counts(out)
