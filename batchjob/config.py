@@ -10,14 +10,20 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import string
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from batchjob.contract import MAX_OPTIONS
 from batchjob.location import LocationError, check_supported, is_url, local_path, redact, scheme
+from batchjob.yamlfile import YamlFileError, read_yaml
+
+# The most options a question may have: five single-token labels (A-E) is what the engines' prompts and
+# option-token readout are built and tested for.
+MAX_OPTIONS = 5
+# What a prompt template may name: the engines format it with exactly these.
+TEMPLATE_FIELDS = ("question", "options")
 
 
 class ConfigError(Exception):
@@ -119,9 +125,7 @@ class PromptConfig(_Section):
     @classmethod
     def _has_placeholders(cls, v: str | None) -> str | None:
         if v is not None:
-            missing = [p for p in ("{question}", "{options}") if p not in v]
-            if missing:
-                raise ValueError(f"template must contain {' and '.join(missing)}")
+            template_problem(v)
         return v
 
     @field_validator("option_labels")
@@ -147,6 +151,28 @@ class RemoteConfig(_Section):
             raise ValueError(f"read_ahead_kb ({self.read_ahead_kb}) must not exceed max_read_ahead_mb "
                              f"({self.max_read_ahead_mb:g})")
         return self
+
+
+def template_problem(template: str) -> None:
+    """Raise ValueError unless `template.format(question=..., options=...)` works for every row: an unknown
+    placeholder would otherwise fail every row of the job with a KeyError, after the decoding was paid for."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as err:    # a lone brace
+        raise ValueError(f"template is not a valid format string ({err}); write {{{{ and }}}} for literal "
+                         "braces") from None
+    unknown = sorted({f for f in fields if re.split(r"[.\[]", f, maxsplit=1)[0] not in TEMPLATE_FIELDS})
+    if unknown:
+        raise ValueError(f"template: unknown placeholder(s) {', '.join('{' + f + '}' for f in unknown)}; the "
+                         "placeholders are {question} and {options} (write {{ and }} for literal braces)")
+    missing = [f"{{{p}}}" for p in TEMPLATE_FIELDS if p not in fields]
+    if missing:
+        raise ValueError(f"template must contain {' and '.join(missing)}")
+    try:
+        template.format(question="q", options="A. o")
+    except (KeyError, IndexError, AttributeError, ValueError, TypeError) as err:
+        raise ValueError(f"template cannot be filled in ({type(err).__name__}: {err}); use plain {{question}} "
+                         "and {options}") from None
 
 
 class RuntimeConfig(_Section):
@@ -240,7 +266,7 @@ def _format_validation(path: Path, err: ValidationError) -> str:
     lines = [f"{path}: invalid job config:"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"]
+        msg = re.sub(r"^Value error, ", "", e["msg"])
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check spelling; see configs/nextqa.yaml for every key)"
         elif e["type"] == "missing":
@@ -313,31 +339,8 @@ def load_config(path: str | Path, *, date: str | None = None) -> JobConfig:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raw = read_yaml(path, "job config")
+    except YamlFileError as err:
+        raise ConfigError(str(err)) from None
     return parse_config(raw, path, date=date)
 
-
-def check_paths(cfg: JobConfig) -> None:
-    """Every input the job reads must exist before Ray starts; the message says how to get it."""
-    where = cfg.source or "config"
-    ds = cfg.dataset
-    fetch = {"nextqa": " (prepare it with scripts/prepare_nextqa.py)",
-             "mvbench": " (prepare it with scripts/prepare_mvbench.py)",
-             "manifest": " (a JSONL/CSV manifest: id, video, question, options[, answer, category]; "
-                         "configs/demo.yaml is meant for `batchjob demo`, which builds its files)"}[ds.adapter]
-    if not Path(ds.annotation).exists():
-        raise ConfigError(f"{where}: dataset.annotation: file not found: {ds.annotation}{fetch}")
-    if ds.video_root and not is_url(ds.video_root) and not Path(ds.video_root).is_dir():
-        raise ConfigError(f"{where}: dataset.video_root: directory not found: {ds.video_root}{fetch}")
-    ckpt = cfg.model.checkpoint
-    if Path(ckpt).is_absolute() and not Path(ckpt).is_dir():
-        raise ConfigError(f"{where}: model.checkpoint: directory not found: {ckpt} "
-                          "(a local Hugging Face checkpoint directory, or a hub id such as Qwen/Qwen2.5-VL-7B-Instruct)")
-    if cfg.model.engine == "mlx" and Path(ckpt).is_absolute() and not (Path(ckpt) / "config.json").is_file():
-        raise ConfigError(f"{where}: model.checkpoint: {ckpt} has no config.json; point it at a Hugging Face "
-                          "checkpoint directory (the one holding config.json and *.safetensors)")
-    out = Path(cfg.output.directory)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{where}: output.directory: exists and is not a directory: {out}")

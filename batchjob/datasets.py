@@ -139,7 +139,7 @@ def load_mvbench(cfg: DatasetConfig) -> list[Row]:
     for f in files:
         try:
             items = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, ValueError) as err:     # ValueError: JSON syntax, or not UTF-8 text at all
             raise DatasetError(f"{f}: not a readable JSON file: {err}") from None
         if not isinstance(items, list):
             raise DatasetError(f"{f}: expected a JSON list of questions, got {type(items).__name__}")
@@ -197,8 +197,8 @@ def load_manifest(cfg: DatasetConfig) -> list[Row]:
         else:
             with path.open(newline="") as fh:
                 records = [(f"{path}: row {n}", rec) for n, rec in enumerate(csv.DictReader(fh), 2)]
-    except OSError as err:
-        raise DatasetError(f"{path}: cannot read manifest: {err}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DatasetError(f"{path}: cannot read manifest (a JSONL or CSV text file): {err}") from None
     rows = []
     for where, rec in records:
         if not isinstance(rec, dict):

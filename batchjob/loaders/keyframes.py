@@ -25,6 +25,9 @@ import av
 
 from batchjob.loaders.errors import CorruptVideo, MissingTimestamps
 from batchjob.loaders.media import is_mp4_family
+from batchjob.loaders.registry import LoaderOption
+
+USE_INDEX_OPTION = LoaderOption(bool, "false: list keyframes by a demux sweep, never from the MP4 sample table")
 
 # A sweep reads each packet once; a file has finitely many, but a broken demuxer must not spin forever.
 MAX_PACKETS = 50_000_000

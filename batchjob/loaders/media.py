@@ -58,8 +58,9 @@ def _as_avopen_arg(source: Source, label: str) -> Any:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if not os.path.exists(path):
-            raise VideoNotFound(label, "no such file; check the path (relative paths resolve against "
-                                       f"the working directory {os.getcwd()})")
+            hint = ("check the path, and that its disk or network share is mounted" if os.path.isabs(path) else
+                    f"check the path (relative paths resolve against the working directory {os.getcwd()})")
+            raise VideoNotFound(label, f"no such file; {hint}")
         if os.path.isdir(path):
             raise VideoNotFound(label, "is a directory, not a video file")
         if not os.access(path, os.R_OK):

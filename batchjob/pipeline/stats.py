@@ -23,6 +23,10 @@ BUSY_ENOUGH = 0.75   # a stage busier than this (per worker, over the stream) is
 class RunStats:
     total_rows: int = 0          # rows in the dataset (after limit)
     skipped_rows: int = 0        # already in the output (resume)
+    edited_rows: int = 0         # answered again: their question or options were edited in the dataset
+    rescored_rows: int = 0       # re-scored in place: their answer key or category was edited
+    retried_rows: int = 0        # error rows answered again (--retry-errors)
+    repaired_parts: list[str] = field(default_factory=list)   # damaged parts --repair moved to _damaged/
     done_rows: int = 0           # written by this run
     done_clips: int = 0          # clips whose rows this run wrote
     error_rows: int = 0
