@@ -330,7 +330,7 @@ def main() -> None:
         prefix = "" if model_type == "qwen2_5_vl" else f"{model_type}."
         report["figures"].update({prefix + k: v for k, v in figures(row, ceiling_mlx, ceiling_torch).items()})
     gpu = str(env.get("gpu", "gpu")).replace(" ", "-").replace("/", "-")
-    path = out / f"{gpu}-{datetime.date.today().isoformat()}-{'+'.join(args.model)}-{stem}.json"
+    path = out / f"{gpu}-{datetime.date.today().isoformat()}-{'-'.join(args.model)}-{stem}.json"
     benchlib.env.save_json(report, path)
     print(f"\n{env.get('gpu')}, {datetime.date.today()}, models {', '.join(args.model)}; ceilings MLX "
           f"{ceiling_mlx / 1e12:.0f} / torch {ceiling_torch / 1e12:.0f} TFLOP/s\n| figure | value |\n|---|---|")

@@ -81,7 +81,7 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path):
            "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
-    (path,) = tmp_path.glob("*-qwen2_5_vl+qwen3_vl-*.json")
+    (path,) = tmp_path.glob("*-qwen2_5_vl-qwen3_vl-*.json")
     report = json.loads(path.read_text())
     bench = __import__("bench_gpu")
     figures = report["figures"]
