@@ -85,7 +85,11 @@ class ModelConfig(_Section):
         "auto", description="tokens per forward pass (packing budget); auto = from the model and the device's "
         "memory (8192 on a CPU, up to 32768 on a GPU)")
     max_model_len: int = Field(32768, ge=16)
-    memory_budget_gb: Float | None = Field(None, gt=0)
+    memory_budget_gb: Float | None = Field(None, gt=0, description="null = sized from the engine's device")
+    host_reserved_gb: Float | None = Field(
+        None, ge=0, description="memory the job's other processes hold beside the engine (decoders, Ray's object "
+        "store), taken off the budget where they share the device's memory (Apple silicon, CPU); null = "
+        "estimated from the runtime section")
     temporal_step: Literal["nominal", "actual"] = Field(
         "nominal", description="video frame rate behind the temporal position step: nominal = n / total_frames * "
         "fps (the convention the model was trained with, as transformers and vLLM compute it); actual = the mean "
@@ -103,6 +107,9 @@ class ModelConfig(_Section):
         if self.vllm is not None and self.engine != "vllm":
             raise ValueError(f"model.vllm is read only by engine: vllm, but engine is {self.engine!r}; "
                              "remove it or set engine: vllm")
+        if self.engine == "vllm" and self.host_reserved_gb is not None:
+            raise ValueError("host_reserved_gb is read only by engine: mlx; with engine: vllm set "
+                             "vllm.gpu_memory_utilization")
         if self.engine == "vllm" and self.memory_budget_gb is not None:
             raise ValueError("memory_budget_gb is read only by engine: mlx; with engine: vllm set "
                              "vllm.gpu_memory_utilization")

@@ -64,7 +64,7 @@ def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_l
                            weights_bytes=checkpoint.weights_bytes, activation=tokens * per_token,
                            kv_block_bytes=per_block, block_size=config.block_size,
                            blocks_per_request=-(-config.max_model_len // config.block_size),
-                           max_blocks=-(-cap_tokens // config.block_size))
+                           max_blocks=-(-cap_tokens // config.block_size), host_reserved=config.host_reserved_bytes)
     except MemoryBudgetError as exc:
         raise EngineError(str(exc)) from exc
     return plan, auto_tokens

@@ -142,9 +142,12 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def choose_budget(device: DeviceMemory, requested_gb: float | None, weights_bytes: int) -> tuple[int, str]:
+def choose_budget(device: DeviceMemory, requested_gb: float | None, weights_bytes: int,
+                  host_reserved: int = 0) -> tuple[int, str]:
     """(budget bytes, where it came from). `weights_bytes` are already resident when the device's free
-    memory was read, so on CUDA they are added back to what is free."""
+    memory was read, so on CUDA they are added back to what is free. `host_reserved`: what the job's other
+    processes hold (decoders, Ray's object store); it shares the device's memory on Apple silicon and on a CPU,
+    so it comes off the default budget there (a GPU's own memory is not theirs)."""
     capacity = device.capacity_bytes
     if requested_gb is not None:
         budget = int(requested_gb * GIB)
@@ -160,16 +163,19 @@ def choose_budget(device: DeviceMemory, requested_gb: float | None, weights_byte
         free = max(0, device.free_bytes - int(capacity * CUDA_HEADROOM))
         return weights_bytes + free, (f"auto: the weights + the GPU's free memory after them, less "
                                       f"{CUDA_HEADROOM:.0%} of the GPU")
+    less = f", less {_gib(host_reserved)} for the job's other processes" if host_reserved else ""
     if device.device == "metal":
-        return int(capacity * METAL_SHARE), f"auto: {METAL_SHARE:.0%} of Metal's recommended working set"
-    return int(capacity * CPU_SHARE), f"auto: {CPU_SHARE:.0%} of RAM"
+        return (max(0, int(capacity * METAL_SHARE) - host_reserved),
+                f"auto: {METAL_SHARE:.0%} of Metal's recommended working set{less}")
+    return max(0, int(capacity * CPU_SHARE) - host_reserved), f"auto: {CPU_SHARE:.0%} of RAM{less}"
 
 
 def plan_memory(*, device: DeviceMemory, requested_gb: float | None, weights_bytes: int, activation: int,
-                kv_block_bytes: int, block_size: int, blocks_per_request: int, max_blocks: int) -> MemoryPlan:
+                kv_block_bytes: int, block_size: int, blocks_per_request: int, max_blocks: int,
+                host_reserved: int = 0) -> MemoryPlan:
     """The budget and the KV blocks it holds (at most `max_blocks`); MemoryBudgetError when it cannot hold the
     weights, one forward's activations and one maximum-length request."""
-    budget, source = choose_budget(device, requested_gb, weights_bytes)
+    budget, source = choose_budget(device, requested_gb, weights_bytes, host_reserved)
     need = weights_bytes + activation + blocks_per_request * kv_block_bytes
     if budget < need:
         fix = (f"raise {BUDGET_KEY}" if requested_gb is not None else

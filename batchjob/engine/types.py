@@ -66,7 +66,8 @@ class EngineConfig:
     max_num_batched_tokens: int | str = "auto"  # tokens per forward pass; "auto" = from the model and device
     # (token_budget.py: 8192 on a CPU, up to 32768 on a GPU as its memory allows)
     max_model_len: int = 32768
-    memory_budget_gb: float | None = None  # None = 3/4 of physical memory; KV pool capped at a few requests
+    memory_budget_gb: float | None = None  # None = sized from the device (memory_budget.py); KV pool capped
+    host_reserved_bytes: int = 0   # other processes' memory beside the engine where they share the device's
     block_size: int = 16
     option_labels: tuple[str, ...] = ("A", "B", "C", "D", "E")
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE

@@ -123,7 +123,8 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOpt
     from batchjob.pipeline.engines import resolve_engine
     from batchjob.pipeline.ray_runtime import start_ray, stop_ray
     from batchjob.pipeline.remote_inputs import remote_options
-    from batchjob.pipeline.resources import cpus_to_start, object_store_bytes, ray_resources, resolve_runtime
+    from batchjob.pipeline.resources import (cpus_to_start, host_reserved_bytes, object_store_bytes, ray_resources,
+                                             resolve_runtime)
     from batchjob.pipeline.workers import RayWorkers
     from batchjob.startup import Startup
 
@@ -153,7 +154,11 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOpt
         plan = resolve_runtime(cfg, ray_resources())     # `auto` becomes numbers from what Ray reports
         stats.decoders, stats.engines, stats.engine_gpus = plan.decoders, plan.engines, plan.engine_gpus
         engine_cls = resolve_engine(cfg.model.engine)
-        engines = make_engines(plan.engines, plan.engine_cpus, cfg.model, cfg.prompt, plan.engine_gpus)
+        model = cfg.model
+        if model.host_reserved_gb is None:   # the decoders and the object store share the engine's memory
+            reserved = host_reserved_bytes(plan.decoders, rt.frames_in_flight, host_ram_bytes())
+            model = model.model_copy(update={"host_reserved_gb": reserved / 2**30})
+        engines = make_engines(plan.engines, plan.engine_cpus, model, cfg.prompt, plan.engine_gpus)
         decoders = make_decoders(plan.decoders, plan.decode_cpus, loader, n, kw,
                                  engine_cls.input_preparer(cfg.model), remote_options(rt))
         try:

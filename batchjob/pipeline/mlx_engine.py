@@ -23,6 +23,7 @@ def engine_config(model: ModelConfig, prompt: PromptConfig):
     return EngineConfig(dtype=model.dtype, device=model.device, min_pixels=model.min_pixels, max_pixels=model.max_pixels,
                         max_num_batched_tokens=model.max_num_batched_tokens, max_model_len=model.max_model_len,
                         memory_budget_gb=model.memory_budget_gb, temporal_step=model.temporal_step,
+                        host_reserved_bytes=int((model.host_reserved_gb or 0) * 2**30),
                         timestamps=model.timestamps, option_labels=tuple(prompt.option_labels), system_prompt=prompt.system, **extra)
 
 

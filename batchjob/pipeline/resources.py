@@ -99,6 +99,15 @@ def object_store_bytes(frames_in_flight: int, host_ram: int) -> int:
     return int(min(want, host_ram * OBJECT_STORE_HOST_SHARE))
 
 
+DECODER_RESIDENT = 512 * 2**20   # a decoder process's resident memory (interpreter, PyAV, numpy, a clip)
+
+
+def host_reserved_bytes(decoders: int, frames_in_flight: int, host_ram: int) -> int:
+    """What the job's processes beside the engine hold on its machine: the decoders and Ray's object store. On
+    Apple silicon (and on a CPU) that is the memory the engine's budget comes from, so the engine leaves it."""
+    return decoders * DECODER_RESIDENT + object_store_bytes(frames_in_flight, host_ram)
+
+
 def ray_resources() -> Resources:
     """The CPUs and GPUs of the Ray instance this process is connected to."""
     import ray

@@ -182,3 +182,24 @@ def test_validate_refuses_a_budget_larger_than_the_device(checkpoint_dir):
     check_budget_fits(ModelConfig(checkpoint=ckpt, memory_budget_gb=60.0), gpu)
     check_budget_fits(ModelConfig(checkpoint=ckpt), gpu)                  # auto: sized at load
     check_budget_fits(ModelConfig(checkpoint=ckpt, memory_budget_gb=96.0), None)   # unknown device: at load
+
+
+def test_other_processes_come_off_the_budget_only_where_they_share_the_memory():
+    """Apple silicon and a CPU: the decoders and Ray's object store live in the same memory as the model, so the
+    default budget leaves them; a GPU's own memory is not theirs, and an explicit budget is the user's word."""
+    reserved = 6 * GIB
+    metal = mb.device_memory("metal", M2_ULTRA, 192 * GIB)
+    assert _plan(metal).budget_bytes - mb.plan_memory(
+        device=metal, requested_gb=None, weights_bytes=14 * GIB, activation=2 * GIB, kv_block_bytes=917_504,
+        block_size=16, blocks_per_request=2048, max_blocks=8192, host_reserved=reserved).budget_bytes == reserved
+    cpu = mb.device_memory("cpu", {}, 64 * GIB)
+    budget, source = mb.choose_budget(cpu, None, GIB, reserved)
+    assert budget == int(64 * GIB * mb.CPU_SHARE) - reserved and "less 6.0 GiB for the job's other processes" in source
+    cuda = mb.device_memory("cuda", {**H100, "free_memory": 70 * GIB}, 128 * GIB)
+    assert mb.choose_budget(cuda, None, 14 * GIB, reserved) == mb.choose_budget(cuda, None, 14 * GIB, 0)
+    assert mb.choose_budget(metal, 100.0, 14 * GIB, reserved)[0] == 100 * GIB
+    with pytest.raises(mb.MemoryBudgetError, match="cannot hold the weights"):   # a small Mac, a big job
+        mb.plan_memory(device=mb.device_memory("metal", {**M2_ULTRA, "max_recommended_working_set_size": 21 * GIB},
+                                               32 * GIB), requested_gb=None, weights_bytes=14 * GIB,
+                       activation=GIB, kv_block_bytes=917_504, block_size=16, blocks_per_request=256,
+                       max_blocks=8192, host_reserved=6 * GIB)
