@@ -8,7 +8,7 @@ a temporary that is deleted. Rows are written once per run and skipped by id on 
 ends up exactly once.
 
 A part damaged after it was written (a failing disk, a bad copy) is found when the output is read: parts
-carry page checksums, and every reader here verifies them. Nothing reads past a damaged part silently:
+carry page checksums and a CRC-32 of all their pages, and every reader here verifies both. Nothing reads past a damaged part silently:
 `run` refuses until `--repair` moves it to `_damaged/` (its rows are then answered again), and `report`
 and `diff` name it and say so.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -27,6 +28,7 @@ import pyarrow.parquet as pq
 MANIFEST = "_job.json"
 DAMAGED = "_damaged"        # where --repair moves damaged parts (readers skip `_` folders)
 METADATA_KEY = b"batchjob"
+BODY_CRC_KEY = b"batchjob.body_crc32"   # CRC-32 of the bytes before the footer (see write_part)
 
 SCHEMA = pa.schema([
     ("row_id", pa.string()),
@@ -138,9 +140,33 @@ def complete_parts(directory: Path, suffix: str = ".parquet") -> list[Path]:
     return sorted(directory.glob(f"part-*{suffix}"))
 
 
+def _encode(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, write_page_checksum=True)
+    return sink.getvalue().to_pybytes()
+
+
+def _body(blob: bytes) -> bytes:
+    """Everything before the footer: the magic number and every page with its header. Page checksums cover
+    page data only, so damage to a page header (its statistics, say) would read back unnoticed without this."""
+    if len(blob) < 12 or blob[-4:] != b"PAR1":
+        raise ValueError("not a Parquet file (no PAR1 magic number at its end)")
+    footer = int.from_bytes(blob[-8:-4], "little")
+    if footer + 12 > len(blob):
+        raise ValueError(f"footer length {footer} does not fit in a {len(blob)}-byte file")
+    return blob[: len(blob) - 8 - footer]
+
+
 def write_part(path: Path, table: pa.Table) -> None:
-    """A part file, atomically, with page checksums so later damage is found instead of read as data."""
-    atomic_write(path, lambda fh: pq.write_table(table, fh, write_page_checksum=True))
+    """A part file, atomically, with page checksums and a CRC-32 of every byte before the footer in the footer's
+    metadata, so later damage anywhere in the pages is found instead of read as data. The pages do not depend on
+    the footer's metadata, so encoding once more with the CRC added leaves them byte for byte the same."""
+    meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != BODY_CRC_KEY}
+    body = _body(_encode(table.replace_schema_metadata(meta)))
+    blob = _encode(table.replace_schema_metadata({**meta, BODY_CRC_KEY: b"%08x" % zlib.crc32(body)}))
+    if _body(blob) != body:      # would mean pyarrow's pages depend on the footer: never store a wrong CRC
+        raise RuntimeError(f"{path}: Parquet pages changed with the footer's metadata; cannot checksum the part")
+    atomic_write_bytes(path, blob)
 
 
 class PartUnreadable(Exception):
@@ -152,11 +178,17 @@ class PartUnreadable(Exception):
 
 
 def read_part(path: Path, columns: list[str] | None = None) -> pa.Table:
-    """One part in the output schema, checksums verified; raises PartUnreadable with the reason."""
+    """One part in the output schema, every checksum verified; raises PartUnreadable with the reason."""
     try:
-        table = pq.read_table(path, schema=SCHEMA, page_checksum_verification=True)
+        blob = path.read_bytes()
+        body = _body(blob)
+        table = pq.read_table(pa.BufferReader(blob), schema=SCHEMA, page_checksum_verification=True)
+        stored = (pq.read_schema(pa.BufferReader(blob)).metadata or {}).get(BODY_CRC_KEY)
     except (pa.ArrowException, OSError, ValueError, EOFError) as err:
         raise PartUnreadable(DamagedPart(path, _reason(err))) from None
+    if stored is not None and stored != b"%08x" % zlib.crc32(body):     # parts written before the CRC have none
+        raise PartUnreadable(DamagedPart(path, f"CRC-32 of its pages is {zlib.crc32(body):08x}, "
+                                               f"written as {stored.decode(errors='replace')}"))
     return table.select(columns) if columns else table
 
 
