@@ -157,13 +157,27 @@ def _body(blob: bytes) -> bytes:
     return blob[: len(blob) - 8 - footer]
 
 
+def _body_crc(body: bytes) -> bytes:
+    return b"%08x:%d" % (zlib.crc32(body), len(body))
+
+
+def _stale(stored: bytes, body: bytes) -> bool:
+    """Whether the pages differ from what was written. Bytes changed in place keep the pages' length and fail the
+    CRC; a part re-encoded by another Parquet writer (which copies the schema's metadata, this CRC included) has
+    pages of another length and is that writer's to vouch for: its own page checksums, if any, still apply."""
+    crc, _, length = stored.partition(b":")
+    if not length.isdigit():
+        return True                     # the footer's value itself is damaged
+    return int(length) == len(body) and crc != b"%08x" % zlib.crc32(body)
+
+
 def write_part(path: Path, table: pa.Table) -> None:
     """A part file, atomically, with page checksums and a CRC-32 of every byte before the footer in the footer's
     metadata, so later damage anywhere in the pages is found instead of read as data. The pages do not depend on
     the footer's metadata, so encoding once more with the CRC added leaves them byte for byte the same."""
     meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != BODY_CRC_KEY}
     body = _body(_encode(table.replace_schema_metadata(meta)))
-    blob = _encode(table.replace_schema_metadata({**meta, BODY_CRC_KEY: b"%08x" % zlib.crc32(body)}))
+    blob = _encode(table.replace_schema_metadata({**meta, BODY_CRC_KEY: _body_crc(body)}))
     if _body(blob) != body:      # would mean pyarrow's pages depend on the footer: never store a wrong CRC
         raise RuntimeError(f"{path}: Parquet pages changed with the footer's metadata; cannot checksum the part")
     atomic_write_bytes(path, blob)
@@ -183,11 +197,11 @@ def read_part(path: Path, columns: list[str] | None = None) -> pa.Table:
         blob = path.read_bytes()
         body = _body(blob)
         table = pq.read_table(pa.BufferReader(blob), schema=SCHEMA, page_checksum_verification=True)
-        stored = (pq.read_schema(pa.BufferReader(blob)).metadata or {}).get(BODY_CRC_KEY)
+        stored = (pq.read_metadata(pa.BufferReader(blob)).metadata or {}).get(BODY_CRC_KEY)   # the footer's own
     except (pa.ArrowException, OSError, ValueError, EOFError) as err:
         raise PartUnreadable(DamagedPart(path, _reason(err))) from None
-    if stored is not None and stored != b"%08x" % zlib.crc32(body):     # parts written before the CRC have none
-        raise PartUnreadable(DamagedPart(path, f"CRC-32 of its pages is {zlib.crc32(body):08x}, "
+    if stored is not None and _stale(stored, body):
+        raise PartUnreadable(DamagedPart(path, f"CRC-32 of its pages is {_body_crc(body).decode()} (CRC:bytes), "
                                                f"written as {stored.decode(errors='replace')}"))
     return table.select(columns) if columns else table
 

@@ -20,6 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from batchjob.pipeline.output import write_part
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]    # each test starts Ray once (12-20 s on a busy 2-core machine)
 
 
@@ -186,7 +188,7 @@ def test_nightly_retry_errors_retries_error_rows_of_earlier_nights(tmp_path, h, 
             if Path(r["video"]).name in broken:
                 r.update(error="decode failed: an earlier night's NFS hiccup", pred_index=None, pred_letter=None,
                          probs=None, correct=False if r["answer"] is not None else None)
-        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), part)
+        write_part(part, pa.Table.from_pylist(rows, schema=table.schema))     # as that night's run wrote it
     assert sum(1 for r in h.read_rows(out) if r["error"]) == 6
     definition = tmp_path / "nightly.yaml"
     definition.write_text(yaml.safe_dump({"name": "n", "schedule": "30 1 * * *", "history": "hist",

@@ -89,3 +89,28 @@ def test_parts_written_before_the_crc_still_read(tmp_path, rng=random.Random()):
     part = tmp_path / "part-00003.parquet"
     pq.write_table(table, part, write_page_checksum=True)
     assert read_part(part).equals(table.cast(SCHEMA))
+
+
+def test_a_part_re_encoded_by_another_writer_is_not_called_damaged(tmp_path, rng=random.Random()):
+    """pyarrow copies the schema's metadata, our CRC included, into a file it re-encodes (a user editing rows):
+    its pages have another length, and the stale CRC must not turn the edit into damage."""
+    part = tmp_path / "part-00004.parquet"
+    write_part(part, random_rows(rng, 8))
+    edited = pq.read_table(part).to_pylist()
+    edited[rng.randrange(len(edited))]["error"] = "edited by hand " + "x" * rng.randint(1, 40)
+    table = pa.Table.from_pylist(edited, schema=pq.read_schema(part))
+    assert BODY_CRC_KEY in table.schema.metadata
+    pq.write_table(table, part)
+    assert read_part(part).to_pylist() == pa.Table.from_pylist(edited, schema=SCHEMA).to_pylist()
+
+
+def test_a_damaged_crc_value_is_damage(tmp_path, rng=random.Random()):
+    part = tmp_path / "part-00005.parquet"
+    write_part(part, random_rows(rng, 4))
+    blob = bytearray(part.read_bytes())
+    value = pq.read_schema(part).metadata[BODY_CRC_KEY]
+    at = blob.rindex(value)
+    blob[at + len(value) - 1: at + len(value)] = b"z"      # the length's last digit, in the footer
+    part.write_bytes(bytes(blob))
+    with pytest.raises(PartUnreadable):
+        read_part(part)
