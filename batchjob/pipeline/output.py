@@ -8,9 +8,10 @@ a temporary that is deleted. Rows are written once per run and skipped by id on 
 ends up exactly once.
 
 A part damaged after it was written (a failing disk, a bad copy) is found when the output is read: parts
-carry page checksums and a CRC-32 of all their pages, and every reader here verifies both. Nothing reads past a damaged part silently:
-`run` refuses until `--repair` moves it to `_damaged/` (its rows are then answered again), and `report`
-and `diff` name it and say so.
+carry page checksums and a CRC-32 of all their pages, and every reader here verifies both (the footer is
+parsed, not checksummed: damage there that still parses, a flipped column statistic, is not seen). Nothing
+reads past a damaged part silently: `run` refuses until `--repair` moves it to `_damaged/` (its rows are
+then answered again), and `report` and `diff` name it and say so.
 """
 from __future__ import annotations
 

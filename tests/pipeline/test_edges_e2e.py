@@ -53,9 +53,12 @@ def damage(part: Path, how: str, rng: random.Random) -> None:
     data = bytearray(part.read_bytes())
     if how == "truncated":
         part.write_bytes(bytes(data[: rng.randint(8, len(data) - 8)]))
-    else:        # garbled data pages: bytes flipped past the magic number, before the footer's metadata
-        start = rng.randint(4, len(data) // 3)
-        for i in range(start, start + rng.randint(8, 64)):
+    else:        # garbled pages: bytes flipped past the magic number, before the footer's metadata (which, for a
+        # part of a few rows, is most of the file: the footer is parsed, and only a checksum over it would see a
+        # flipped statistic there; see batchjob.pipeline.output)
+        footer_start = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+        start = rng.randint(4, footer_start - 2)
+        for i in range(start, min(footer_start, start + rng.randint(8, 64))):
             data[i] ^= rng.randint(1, 255)
         part.write_bytes(bytes(data))
 
