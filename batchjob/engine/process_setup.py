@@ -42,3 +42,4 @@ def set_blas_threads(cpus: float) -> int | None:
         return None
     setter(max(1, int(cpus)))
     return int(getter())
+

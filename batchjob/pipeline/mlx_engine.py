@@ -30,28 +30,27 @@ class MlxClipPreparer:
     """Resize + normalize + patchify a clip (the checkpoint's own processor) inside a decode worker.
 
     In the engine's process this took about half of the engine's time per clip on the tiny benchmark model;
-    in the decoders it runs beside other clips.
+    in the decoders it runs beside other clips. It needs only numpy (engine/preprocess.py): a decoder
+    imports neither torch nor transformers, unless `BATCHJOB_RESIZE=torch` asks for PyTorch's resize.
     """
 
     def __init__(self, settings):
         self.settings = settings
-        self._processor = None
 
     def warm_up(self) -> None:
-        """Import transformers and build the processor now (at actor start, beside the model load)."""
-        from batchjob.engine.preprocess import image_processor
+        """Import the preprocessing and check the resize backend now, at actor start: a bad
+        BATCHJOB_RESIZE, or torch missing where it names torch, fails here rather than on every clip."""
+        import numpy as np
 
-        self._processor = image_processor(self.settings)
+        from batchjob.engine.preprocess import preprocess_video
+
+        p = self.settings.patch_size * self.settings.merge_size
+        preprocess_video(np.zeros((2, p + 1, p + 1, 3), np.uint8), {}, self.settings)   # takes every code path
 
     def __call__(self, frames, metadata: ClipMetadata):
         from batchjob.engine.preprocess import preprocess_video
 
-        if self._processor is None:
-            self.warm_up()
         return preprocess_video(frames, metadata.as_dict(), self.settings)
-
-    def __getstate__(self) -> dict:
-        return {"settings": self.settings, "_processor": None}   # the processor is rebuilt where it runs
 
 
 class MlxEngine(EngineBase):
