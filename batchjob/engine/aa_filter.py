@@ -15,34 +15,35 @@ MAX_PRECISION = 22   # PyTorch's bound on the fixed-point weight precision
 
 
 def _cubic(x: np.ndarray) -> np.ndarray:
+    """PyTorch's `aa_filter` for bicubic, operation for operation (the float rounding of the weights is part
+    of what must match)."""
     x = np.abs(x)
     a = CUBIC_A
-    near = ((a + 2) * x - (a + 3)) * x * x + 1
-    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-    return np.where(x < 1, near, np.where(x < 2, far, 0.0))
+    near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
 
 
 def aa_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(indices [out, K], float64 weights [out, K]) of the antialiased bicubic filter: the kernel is
-    stretched by the downscale factor and each output's weights are normalised to sum 1 (PyTorch's and
-    PIL's scheme). Unused taps point at index 0 with weight 0."""
+    stretched by the downscale factor and each output's weights are normalised to sum 1, computed as
+    PyTorch computes them (its `_compute_indices_min_size_weights_aa`), all outputs at once. Unused taps
+    point at index 0 with weight 0."""
     scale = in_size / out_size
-    support_scale = max(scale, 1.0)
-    support = 2.0 * support_scale
-    rows = []
-    for i in range(out_size):
-        center = scale * (i + 0.5)
-        lo = max(int(center - support + 0.5), 0)
-        hi = min(int(center + support + 0.5), in_size)
-        w = _cubic((np.arange(lo, hi) - center + 0.5) / support_scale)
-        total = w.sum()
-        rows.append((lo, w / total if total != 0 else w))
-    k = max(len(w) for _, w in rows)
-    index, weight = np.zeros((out_size, k), np.int64), np.zeros((out_size, k), np.float64)
-    for i, (lo, w) in enumerate(rows):
-        index[i, :len(w)] = np.arange(lo, lo + len(w))
-        weight[i, :len(w)] = w
-    return index, weight
+    support = 2.0 * scale if scale >= 1.0 else 2.0
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    center = scale * (np.arange(out_size) + 0.5)
+    lo = np.maximum((center - support + 0.5).astype(np.int64), 0)
+    size = np.minimum((center + support + 0.5).astype(np.int64), in_size) - lo
+    taps = np.arange(int(size.max()))
+    used = taps[None, :] < size[:, None]
+    index = lo[:, None] + taps[None, :]
+    weight = np.where(used, _cubic(((index - center[:, None]) + 0.5) * invscale), 0.0)
+    total = np.zeros(out_size)
+    for k in taps:                   # in tap order, as PyTorch adds them (a different order rounds differently)
+        total += weight[:, k]
+    weight = np.divide(weight, total[:, None], out=weight, where=total[:, None] != 0)
+    return np.where(used, index, 0), weight
 
 
 def fixed_point(weight: np.ndarray) -> tuple[np.ndarray, int]:

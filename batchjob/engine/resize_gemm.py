@@ -73,22 +73,21 @@ def axis_plan(in_size: int, out_size: int) -> AxisPlan:
     # floor((sum(x * c) + 2**(p-1)) / 2**p) - 128 = floor((sum((x - 128) * c) + bias) / 2**p)
     bias = OFFSET * (coef.sum(1) - (1 << precision)) + (1 << (precision - 1))
     groups, group, dtype = _choose_sums(coef, precision, bias)
-    scale = 2.0 ** -precision
     blocks = -(-out_size // BLOCK)
-    live = coef != 0
-    spans, weights = [], []
-    for b in range(blocks):
-        j0, j1 = b * BLOCK, min(out_size, (b + 1) * BLOCK)
-        rows, taps = np.nonzero(live[j0:j1])
-        used = index[j0:j1][rows, taps]
-        lo, hi = int(used.min()), int(used.max()) + 1
-        w = np.zeros((hi - lo, groups * BLOCK))
-        np.add.at(w, (used - lo, group[j0:j1][rows, taps] * BLOCK + rows), coef[j0:j1][rows, taps] * scale)
-        spans.append((lo, hi))
-        weights.append(w.astype(dtype))
+    outputs, taps = np.nonzero(coef)
+    inputs, block = index[outputs, taps], outputs // BLOCK
+    lo, hi = np.full(blocks, in_size), np.zeros(blocks, np.int64)
+    np.minimum.at(lo, block, inputs)
+    np.maximum.at(hi, block, inputs + 1)
+    dense = np.zeros((blocks, int((hi - lo).max()), groups * BLOCK))
+    np.add.at(dense, (block, inputs - lo[block], group[outputs, taps] * BLOCK + outputs % BLOCK),
+              coef[outputs, taps] * 2.0 ** -precision)
+    dense = dense.astype(dtype)
+    spans = tuple((int(a), int(b)) for a, b in zip(lo, hi))
+    weights = tuple(dense[b, :hi[b] - lo[b]] for b in range(blocks))
     padded = np.zeros(blocks * BLOCK)
-    padded[:out_size] = bias * scale
-    return AxisPlan(out_size, precision, groups, tuple(spans), tuple(weights),
+    padded[:out_size] = bias * 2.0 ** -precision
+    return AxisPlan(out_size, precision, groups, spans, weights,
                     padded.reshape(blocks, BLOCK).astype(dtype))
 
 
