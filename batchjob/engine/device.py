@@ -25,7 +25,7 @@ class EngineRuntime:
 
     device: str  # "cpu" | "metal" | "cuda"
     dtype: str  # "float32" | "float16" | "bfloat16"
-    attention_backend: str  # "portable" | "metal" | "cuda"
+    attention_backend: str  # "portable" | "metal"
     attention_reason: str
 
     def as_dict(self) -> dict[str, str]:

@@ -53,6 +53,56 @@ def device_memory(device: str, info: Mapping[str, Any], host_ram: int) -> Device
     return DeviceMemory("cpu", name, host_ram, None, "physical RAM")
 
 
+def nvidia_gpu_memory(load=None) -> DeviceMemory | None:
+    """The smallest NVIDIA GPU on this machine, from NVML (the driver's library; no CUDA context, so the driver
+    process can ask before any engine starts); None without one. `load` opens the library (tests fake it)."""
+    import ctypes
+
+    class Memory(ctypes.Structure):
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+    try:
+        nvml = (load or ctypes.CDLL)("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0 or count.value == 0:
+            return None
+        found = []
+        for i in range(count.value):
+            handle, mem, name = ctypes.c_void_p(), Memory(), ctypes.create_string_buffer(96)
+            if nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) != 0:
+                continue
+            if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) != 0:
+                continue
+            nvml.nvmlDeviceGetName(handle, name, 96)
+            found.append((mem.total, mem.free, name.value.decode(errors="replace")))
+    except (OSError, AttributeError):
+        return None
+    if not found:
+        return None
+    total, free, name = min(found)
+    return DeviceMemory("cuda", name, int(total), int(free), "GPU memory reported by the driver (NVML)")
+
+
+def local_device_memory(device_setting: str, *, gpu=nvidia_gpu_memory, platform: str | None = None,
+                        host_ram: int | None = None) -> DeviceMemory | None:
+    """What the engine's device will offer on this machine, as far as it can be known without starting it
+    (`model.device` auto | gpu | cpu); None where only the engine can tell (Apple's working set, a GPU that
+    NVML does not see)."""
+    import sys
+
+    ram = host_ram if host_ram is not None else host_ram_bytes()
+    if device_setting == "cpu":
+        return DeviceMemory("cpu", "cpu", ram, None, "physical RAM")
+    found = gpu()
+    if found is not None:
+        return found
+    if (platform or sys.platform) == "darwin" or device_setting == "gpu":
+        return None
+    return DeviceMemory("cpu", "cpu", ram, None, "physical RAM")
+
+
 def read_device_memory(device: str) -> DeviceMemory:
     """The boundary: what MLX reports for `device` now."""
     import mlx.core as mx
@@ -88,19 +138,16 @@ class MemoryPlan:
                 "budget_bytes": self.budget_bytes, "weights_bytes": self.weights_bytes, "kv_bytes": self.kv_bytes}
 
 
-def activation_bytes(*, tokens: int, hidden: int, intermediate: int, dtype_bytes: int) -> int:
-    """A forward pass's transient memory: the residual stream, q/k/v/o and the MLP's three intermediates for
-    `tokens` packed tokens, twice over for what is alive across an op (MLX frees as it goes)."""
-    return 2 * tokens * (6 * hidden + 3 * intermediate) * dtype_bytes
-
-
 def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def choose_budget(device: DeviceMemory, requested_gb: float | None, weights_bytes: int) -> tuple[int, str]:
+def choose_budget(device: DeviceMemory, requested_gb: float | None, weights_bytes: int,
+                  host_reserved: int = 0) -> tuple[int, str]:
     """(budget bytes, where it came from). `weights_bytes` are already resident when the device's free
-    memory was read, so on CUDA they are added back to what is free."""
+    memory was read, so on CUDA they are added back to what is free. `host_reserved`: what the job's other
+    processes hold (decoders, Ray's object store); it shares the device's memory on Apple silicon and on a CPU,
+    so it comes off the default budget there (a GPU's own memory is not theirs)."""
     capacity = device.capacity_bytes
     if requested_gb is not None:
         budget = int(requested_gb * GIB)
@@ -116,16 +163,19 @@ def choose_budget(device: DeviceMemory, requested_gb: float | None, weights_byte
         free = max(0, device.free_bytes - int(capacity * CUDA_HEADROOM))
         return weights_bytes + free, (f"auto: the weights + the GPU's free memory after them, less "
                                       f"{CUDA_HEADROOM:.0%} of the GPU")
+    less = f", less {_gib(host_reserved)} for the job's other processes" if host_reserved else ""
     if device.device == "metal":
-        return int(capacity * METAL_SHARE), f"auto: {METAL_SHARE:.0%} of Metal's recommended working set"
-    return int(capacity * CPU_SHARE), f"auto: {CPU_SHARE:.0%} of RAM"
+        return (max(0, int(capacity * METAL_SHARE) - host_reserved),
+                f"auto: {METAL_SHARE:.0%} of Metal's recommended working set{less}")
+    return max(0, int(capacity * CPU_SHARE) - host_reserved), f"auto: {CPU_SHARE:.0%} of RAM{less}"
 
 
 def plan_memory(*, device: DeviceMemory, requested_gb: float | None, weights_bytes: int, activation: int,
-                kv_block_bytes: int, block_size: int, blocks_per_request: int, max_blocks: int) -> MemoryPlan:
+                kv_block_bytes: int, block_size: int, blocks_per_request: int, max_blocks: int,
+                host_reserved: int = 0) -> MemoryPlan:
     """The budget and the KV blocks it holds (at most `max_blocks`); MemoryBudgetError when it cannot hold the
     weights, one forward's activations and one maximum-length request."""
-    budget, source = choose_budget(device, requested_gb, weights_bytes)
+    budget, source = choose_budget(device, requested_gb, weights_bytes, host_reserved)
     need = weights_bytes + activation + blocks_per_request * kv_block_bytes
     if budget < need:
         fix = (f"raise {BUDGET_KEY}" if requested_gb is not None else

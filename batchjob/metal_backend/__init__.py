@@ -9,7 +9,7 @@ from .block_pool import BlockPool, PoolExhaustedError, PoolStats, SeqBlocks, has
 from .kv_cache import KVCache, write_kv
 from .memory import kv_bytes_per_block
 from .metadata import AttentionMetadata, SeqSlice, build_attention_metadata, token_positions
-from .selection import AttentionBackend, batch_case, select_attention_backend, select_cuda_backend
+from .selection import AttentionBackend, select_attention_backend
 
 __all__ = [
     "AttentionBackend",
@@ -26,8 +26,6 @@ __all__ = [
     "media_hash_spans",
     "paged_attention",
     "select_attention_backend",
-    "select_cuda_backend",
-    "batch_case",
     "token_positions",
     "write_kv",
 ]

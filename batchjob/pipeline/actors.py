@@ -13,13 +13,16 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from batchjob.config import ModelConfig, PromptConfig
 from batchjob.contract import (BatchAnswers, ClipMetadata, DecodeStatus, EngineClip, EngineDescription, InputPreparer,
                                StartupStep)
+
+if TYPE_CHECKING:
+    from batchjob.loaders.transport import RemoteOptions
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ class Decoder:
     decoder process memory and seconds of start-up."""
 
     def __init__(self, loader: str, num_frames: int, loader_kwargs: dict[str, Any],
-                 prepare: InputPreparer | None = None):
+                 prepare: InputPreparer | None = None, remote: RemoteOptions | None = None):
         # A decoder holds no Ray GPU, and Ray leaves CUDA_VISIBLE_DEVICES alone for such workers: hide the
         # GPUs so no library opens a CUDA context (hundreds of MB each) on the engines' devices.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -47,6 +50,7 @@ class Decoder:
 
         self._load = load_video
         self.loader, self.num_frames, self.kwargs = loader, num_frames, dict(loader_kwargs)
+        self.remote = remote   # how clips named by URLs are read (retries, timeouts, the clip's I/O budget)
         self.node = _node_id()
         self.prepare = prepare
         if prepare is not None:
@@ -73,7 +77,8 @@ class Decoder:
         """(status, payload): the payload is the frames, or the engine's prepared input; None on failure."""
         t0 = time.perf_counter()
         try:
-            frames, meta = self._load(video, backend=self.loader, num_frames=self.num_frames, **self.kwargs)
+            frames, meta = self._load(video, backend=self.loader, num_frames=self.num_frames, remote=self.remote,
+                                      **self.kwargs)
         except Exception as err:  # LoaderError by contract; anything else is a loader bug, still one clip's loss
             return self._failed(f"decode failed: {type(err).__name__}: {err}", t0), None
         decode_ms = (time.perf_counter() - t0) * 1000.0
@@ -134,14 +139,14 @@ class EngineHost:
 
 
 def make_decoders(n: int, cpus: float, loader: str, num_frames: int, kwargs: dict[str, Any],
-                  prepare: InputPreparer | None = None) -> list:
+                  prepare: InputPreparer | None = None, remote: RemoteOptions | None = None) -> list:
     import ray
 
     # SPREAD: on a cluster, decoders land on different nodes (that is the point of scaling out).
     # max_restarts=-1: a decoder killed by a crashing codec comes back; its clip is retried once.
     cls = ray.remote(Decoder).options(num_cpus=cpus, max_restarts=-1, max_task_retries=0,
                                       scheduling_strategy="SPREAD")
-    return [cls.remote(loader, num_frames, kwargs, prepare) for _ in range(n)]
+    return [cls.remote(loader, num_frames, kwargs, prepare, remote) for _ in range(n)]
 
 
 def make_engines(n: int, cpus: float, model: ModelConfig, prompt: PromptConfig, gpus: float = 0.0) -> list:

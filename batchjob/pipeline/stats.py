@@ -23,6 +23,10 @@ BUSY_ENOUGH = 0.75   # a stage busier than this (per worker, over the stream) is
 class RunStats:
     total_rows: int = 0          # rows in the dataset (after limit)
     skipped_rows: int = 0        # already in the output (resume)
+    edited_rows: int = 0         # answered again: their question or options were edited in the dataset
+    rescored_rows: int = 0       # re-scored in place: their answer key or category was edited
+    retried_rows: int = 0        # error rows answered again (--retry-errors)
+    repaired_parts: list[str] = field(default_factory=list)   # damaged parts --repair moved to _damaged/
     done_rows: int = 0           # written by this run
     done_clips: int = 0          # clips whose rows this run wrote
     error_rows: int = 0
@@ -47,6 +51,7 @@ class RunStats:
     engine_ms_per_clip: float | None = None                       # a batch's engine time / its clips
     engine_ms_per_clip_p90: float | None = None
     peak_rss_mb: float = 0.0                                      # the driver process
+    fetched: dict[str, dict[str, float]] = field(default_factory=dict)  # loader -> network cost of URL clips
     actor_peak_rss_mb: dict[str, list[float]] = field(default_factory=dict)   # engines, decoders (best effort)
     memory: dict[str, Any] = field(default_factory=dict)          # the engine's budget, its source, KV blocks
     startup: Startup | None = None                                # launch to first answer, step by step
@@ -115,6 +120,19 @@ def median_and_p90(values: Sequence[float]) -> tuple[float | None, float | None]
         return None, None
     arr = np.asarray(values, dtype=float)
     return float(np.median(arr)), float(np.percentile(arr, 90))
+
+
+def fetch_summary(samples: Sequence[tuple[int, int, int]]) -> dict[str, float] | None:
+    """What the clips read from URLs cost on the network, from (fetched bytes, object bytes, retried requests)
+    per clip: MB per clip (median, p90), the median fraction of each file fetched, totals."""
+    if not samples:
+        return None
+    arr = np.asarray(samples, dtype=float)
+    mb, mb_p90 = median_and_p90(arr[:, 0] / 1e6)
+    sized = arr[arr[:, 1] > 0]
+    return {"clips": len(samples), "mb_per_clip": mb, "mb_per_clip_p90": mb_p90,
+            "file_fraction": float(np.median(sized[:, 0] / sized[:, 1])) if len(sized) else None,
+            "total_mb": float(arr[:, 0].sum() / 1e6), "retries": int(arr[:, 2].sum())}
 
 
 def weighted_summary(durations: Counter) -> dict[str, float] | None:

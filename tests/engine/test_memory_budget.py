@@ -96,7 +96,7 @@ def test_the_engine_reads_the_device_through_mlx(tiny_classifier, checkpoint_dir
     monkeypatch.setattr(mx, "device_info", fake_info)
     ckpt = clf.checkpoint
     monkeypatch.setattr(ckpt, "device", "cuda")
-    plan = plan_engine_memory(ckpt, EngineConfig(), num_layers=2)
+    plan, _ = plan_engine_memory(ckpt, EngineConfig(), num_layers=2)
     assert calls and plan.device.name == "Fake GPU"
     assert plan.budget_bytes == ckpt.weights_bytes + 6 * GIB - int(8 * GIB * mb.CUDA_HEADROOM)
     assert plan.kv_blocks == -(-KV_REQUESTS_CAP * 32768 // 16)      # capped, not budget-bound, on a tiny model
@@ -104,12 +104,102 @@ def test_the_engine_reads_the_device_through_mlx(tiny_classifier, checkpoint_dir
         plan_engine_memory(ckpt, EngineConfig(memory_budget_gb=9), num_layers=2)
 
 
-def test_activation_estimate_grows_with_the_token_budget(rng):
-    a = [mb.activation_bytes(tokens=t, hidden=3584, intermediate=18944, dtype_bytes=2) for t in (4096, 8192, 16384)]
-    assert a[0] < a[1] < a[2] and a[2] == 2 * a[1]
-    assert 2 * GIB < a[2] < 8 * GIB      # a 7B forward over 16k tokens: gigabytes, not tens of them
-
-
 def test_impossible_budget_fails_at_load_as_an_engine_error(checkpoint_dir):
     with pytest.raises(EngineError, match="memory budget .* cannot hold the weights"):
         Classifier.from_pretrained(checkpoint_dir("qwen2_5_vl-gqa"), EngineConfig(memory_budget_gb=0.001))
+
+
+class FakeNvml:
+    """libnvidia-ml.so.1 as ctypes sees it: the functions the probe calls, filling its by-reference arguments."""
+
+    def __init__(self, gpus):
+        self.gpus = gpus      # [(name, total, free)]
+
+    def nvmlInit_v2(self):
+        return 0
+
+    def nvmlDeviceGetCount_v2(self, count):
+        count._obj.value = len(self.gpus)
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = index + 1
+        return 0
+
+    def nvmlDeviceGetMemoryInfo(self, handle, mem):
+        _, mem._obj.total, mem._obj.free = self.gpus[handle.value - 1]
+        return 0
+
+    def nvmlDeviceGetName(self, handle, buf, size):
+        buf.value = self.gpus[handle.value - 1][0].encode()
+        return 0
+
+
+def test_nvml_probe_reads_the_smallest_gpu_and_survives_its_absence():
+    gpus = [("NVIDIA H200", 150 * GIB, 140 * GIB), ("NVIDIA H100 80GB HBM3", 80 * GIB, 79 * GIB)]
+    found = mb.nvidia_gpu_memory(load=lambda name: FakeNvml(gpus))
+    assert (found.device, found.name, found.capacity_bytes, found.free_bytes) == \
+        ("cuda", "NVIDIA H100 80GB HBM3", 80 * GIB, 79 * GIB)
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    assert mb.nvidia_gpu_memory(load=missing) is None
+    assert mb.nvidia_gpu_memory(load=lambda name: FakeNvml([])) is None
+    assert mb.nvidia_gpu_memory() is None          # this machine has no NVIDIA driver
+
+
+def test_local_device_memory_follows_model_device():
+    h100 = mb.DeviceMemory("cuda", "H100", 80 * GIB, 79 * GIB, "NVML")
+    ram = 64 * GIB
+    assert mb.local_device_memory("cpu", gpu=lambda: h100, host_ram=ram).capacity_bytes == ram
+    assert mb.local_device_memory("auto", gpu=lambda: h100, host_ram=ram) is h100
+    assert mb.local_device_memory("auto", gpu=lambda: None, platform="linux", host_ram=ram).device == "cpu"
+    assert mb.local_device_memory("auto", gpu=lambda: None, platform="darwin", host_ram=ram) is None  # Metal: at load
+    assert mb.local_device_memory("gpu", gpu=lambda: None, platform="linux", host_ram=ram) is None
+
+
+def test_validate_refuses_a_budget_larger_than_the_device(checkpoint_dir):
+    """The driver-side check (no MLX device started): names the setting, the device's memory and the weights
+    counted from the checkpoint's config; a budget that fits passes."""
+    from batchjob.config import ConfigError, ModelConfig
+    from batchjob.engine.footprint import weights_bytes
+    from batchjob.pipeline.mlx_engine import check_budget_fits, checkpoint_weights_bytes
+
+    ckpt = checkpoint_dir("qwen2_5_vl-gqa")
+    gpu = mb.DeviceMemory("cuda", "NVIDIA H100 80GB HBM3", 80 * GIB, 79 * GIB, "NVML")
+    model = ModelConfig(checkpoint=ckpt, memory_budget_gb=96.0)
+    with pytest.raises(ConfigError) as err:
+        check_budget_fits(model, gpu)
+    import json
+    from pathlib import Path
+
+    weights = weights_bytes(json.loads((Path(ckpt) / "config.json").read_text()), None, 2, engine=True)
+    assert checkpoint_weights_bytes(model, "cuda") == weights > 0
+    assert checkpoint_weights_bytes(model, "cpu") == 2 * weights        # fp32 on a CPU
+    for part in ("model.memory_budget_gb", "96 GiB", "NVIDIA H100 80GB HBM3", "80.0 GiB", "NVML", "null"):
+        assert part in str(err.value), (part, str(err.value))
+    check_budget_fits(ModelConfig(checkpoint=ckpt, memory_budget_gb=60.0), gpu)
+    check_budget_fits(ModelConfig(checkpoint=ckpt), gpu)                  # auto: sized at load
+    check_budget_fits(ModelConfig(checkpoint=ckpt, memory_budget_gb=96.0), None)   # unknown device: at load
+
+
+def test_other_processes_come_off_the_budget_only_where_they_share_the_memory():
+    """Apple silicon and a CPU: the decoders and Ray's object store live in the same memory as the model, so the
+    default budget leaves them; a GPU's own memory is not theirs, and an explicit budget is the user's word."""
+    reserved = 6 * GIB
+    metal = mb.device_memory("metal", M2_ULTRA, 192 * GIB)
+    assert _plan(metal).budget_bytes - mb.plan_memory(
+        device=metal, requested_gb=None, weights_bytes=14 * GIB, activation=2 * GIB, kv_block_bytes=917_504,
+        block_size=16, blocks_per_request=2048, max_blocks=8192, host_reserved=reserved).budget_bytes == reserved
+    cpu = mb.device_memory("cpu", {}, 64 * GIB)
+    budget, source = mb.choose_budget(cpu, None, GIB, reserved)
+    assert budget == int(64 * GIB * mb.CPU_SHARE) - reserved and "less 6.0 GiB for the job's other processes" in source
+    cuda = mb.device_memory("cuda", {**H100, "free_memory": 70 * GIB}, 128 * GIB)
+    assert mb.choose_budget(cuda, None, 14 * GIB, reserved) == mb.choose_budget(cuda, None, 14 * GIB, 0)
+    assert mb.choose_budget(metal, 100.0, 14 * GIB, reserved)[0] == 100 * GIB
+    with pytest.raises(mb.MemoryBudgetError, match="cannot hold the weights"):   # a small Mac, a big job
+        mb.plan_memory(device=mb.device_memory("metal", {**M2_ULTRA, "max_recommended_working_set_size": 21 * GIB},
+                                               32 * GIB), requested_gb=None, weights_bytes=14 * GIB,
+                       activation=GIB, kv_block_bytes=917_504, block_size=16, blocks_per_request=256,
+                       max_blocks=8192, host_reserved=6 * GIB)

@@ -199,11 +199,12 @@ def test_random_engine_builds_the_configured_shape_and_answers(tmp_path):
     blocks = {k.split(".")[2] for k in params if k.startswith("vision_tower.blocks.")}
     assert len(layers) == 3 and len(blocks) == 2
     h, inter = SMOKE["hidden"], SMOKE["inter"]
-    assert params["language_model.model.layers.0.mlp.gate_proj.weight"].shape == (inter, h)
+    # gate/up and q/k/v are stacked at load (engine/lm_fusion.py): one weight of the summed widths each
+    assert params["language_model.model.layers.0.mlp.gate_up.weight"].shape == (2 * inter, h)
     kv = SMOKE["kv_heads"] * h // SMOKE["heads"]
-    [k_proj] = [v for k, v in params.items() if k.startswith("language_model.model.layers.0.")
-                and k.endswith("k_proj.weight")]    # (the engine wraps the attention module)
-    assert k_proj.shape == (kv, h)
+    [qkv] = [v for k, v in params.items() if k.startswith("language_model.model.layers.0.")
+             and k.endswith("qkv_proj.weight")]    # (the engine wraps the attention module)
+    assert qkv.shape == (h + 2 * kv, h)
     # Decoder-side preparation, then the engine: every question gets a distribution over its options.
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 256, (4, 112, 112, 3), dtype=np.uint8)
@@ -231,7 +232,9 @@ def test_random_checkpoint_on_disk_loads_as_a_downloaded_one(tmp_path):
     assert bench.ensure_checkpoint(tmp_path, SMOKE, 2, 3, 28 * 28 * 16, "float32") == (path, 0.0)
     clf = Classifier.from_pretrained(path, EngineConfig(max_pixels=28 * 28 * 16))
     params = dict(tree_flatten(clf.checkpoint.model.parameters()))
-    assert params["language_model.model.layers.1.mlp.gate_proj.weight"].shape == (SMOKE["inter"], SMOKE["hidden"])
+    [gate_up] = [v for k, v in params.items() if k.startswith("language_model.model.layers.1.mlp.")
+                 and v.ndim == 2 and v.shape[1] == SMOKE["hidden"]]      # gate and up, stacked at load
+    assert gate_up.shape == (2 * SMOKE["inter"], SMOKE["hidden"])
     assert not any(k.startswith("language_model.model.layers.2.") for k in params)
     assert [s.name for s in clf.startup][:3] == ["imports", "checkpoint_files", "device_init"]
 

@@ -16,7 +16,7 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
     res = h.run_cli("demo", "--cache", str(tmp_path), "--clips", "6", "--model-type", model_type, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = " ".join(res.stdout.split())   # the table wraps long cells
-    assert "memory budget" in summary and "auto: 75% of RAM" in summary and "KV" in summary, res.stdout
+    assert "memory budget" in summary and "auto: 75% of RAM, less" in summary and "KV" in summary, res.stdout
     assert "start-up" in summary and "to the first answer" in summary and "engine_load" in summary, res.stdout
     root = tmp_path / "demo"
     records = h.manifest_records(root / "manifest.jsonl")
@@ -36,7 +36,8 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
     assert engine["engine"] == "mlx" and engine["device"] == "cpu" and engine["dtype"] == "float32"
     assert engine["attention_backend"] == "portable" and engine["attention_reason"]
     memory = engine["memory"]     # the budget, where it came from and what it bought (issue 18)
-    assert memory["device"] == "cpu" and memory["budget_source"] == "auto: 75% of RAM" and memory["kv_blocks"] > 0
+    assert memory["device"] == "cpu" and memory["kv_blocks"] > 0
+    assert memory["budget_source"].startswith("auto: 75% of RAM, less ")   # the decoders and Ray's store
     assert 0 < memory["weights_bytes"] + memory["kv_bytes"] < memory["budget_bytes"]
     assert memory["budget_gb"] <= memory["device_memory_gb"]
 

@@ -21,9 +21,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..lm_fusion import fuse_decoder_projections
 from ..mrope import placeholder_runs
+from ..patch_embed import matmul_patch_embed
 from ..preprocess import load_vision_settings
 from ..types import EngineError
+from ..qwen3_vision import encode_qwen3
 from ..vision_mlp import pad_plain_mlps
 from . import ModelFamily, VideoPrompt, video_rows
 
@@ -85,7 +88,7 @@ class Qwen3VLFamily(ModelFamily):
 
     def fix_model(self, model) -> None:
         """mlx-vlm 0.7.10's Qwen3-VL-MoE tower swaps its two GELUs (mergers exact, block MLPs per hidden_act);
-        the block MLPs are padded to the GEMM tile."""
+        the block MLPs are padded to the GEMM tile; the decoder's projections are fused (lm_fusion.py)."""
         tower = model.vision_tower
         act = (self.hf_config.get("vision_config") or {}).get("hidden_act", "gelu_pytorch_tanh")
         block_gelu = nn.GELU(approx="tanh") if "tanh" in act else nn.GELU()
@@ -94,6 +97,8 @@ class Qwen3VLFamily(ModelFamily):
         for block in tower.blocks:
             block.mlp.act_fn = block_gelu
         pad_plain_mlps(tower.blocks)   # GEMM-friendly widths (vision_mlp.py)
+        matmul_patch_embed(tower)      # the Conv3d as the matmul it is (patch_embed.py)
+        fuse_decoder_projections(model.language_model)
 
     def video_prompt(self, prompts, question, options, plan) -> VideoPrompt:
         tok = prompts.tokenizer
@@ -116,5 +121,6 @@ class Qwen3VLFamily(ModelFamily):
         return VideoPrompt(ids, positions, (runs[0][0], runs[-1][1]), video_rows(ids, self.video_token_id))
 
     def encode_video(self, model, pixel_values, grid_thw, dtype) -> mx.array:
-        features, deepstack = model.vision_tower(mx.array(pixel_values).astype(dtype), mx.array([list(grid_thw)]))
+        """Our planned tower forward (no host sync, one SDPA per block): equal to mlx-vlm's."""
+        features, deepstack = encode_qwen3(model.vision_tower, mx.array(pixel_values).astype(dtype), [tuple(grid_thw)])
         return mx.concatenate([features, *deepstack], axis=-1).astype(dtype)

@@ -1,4 +1,9 @@
-import os, sys, time, subprocess, json
+"""Diagnostic: a local Ray's start on this machine (import, init, four actors, shutdown), with and without its
+worker prestart. The bench's own start-up breakdown (`startup.steps.ray_start`) is the figure of record.
+
+    python3 scripts/diag_ray_start.py
+"""
+import os, sys, time, subprocess
 code = """
 import time, os, logging
 t = time.perf_counter()
