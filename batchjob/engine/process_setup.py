@@ -42,4 +42,3 @@ def set_blas_threads(cpus: float) -> int | None:
         return None
     setter(max(1, int(cpus)))
     return int(getter())
-
