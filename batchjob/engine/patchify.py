@@ -28,14 +28,19 @@ def patchify(frames: np.ndarray, patch: int, merge: int, temporal_patch: int, me
              std: tuple[float, ...]) -> np.ndarray:
     """uint8 [T, H, W, C] (T a multiple of `temporal_patch`, H and W of `patch * merge`) -> float32
     [T/tp * H/p * W/p, C * tp * p * p], rows in the processor's order (temporal group, merge window row and
-    column, position inside the window) and each row laid out (channel, frame, y, x)."""
+    column, position inside the window) and each row laid out (channel, frame, y, x).
+
+    One frame's channel at a time: its bytes index the table into a contiguous plane, and the plane is
+    copied into its slot of every patch (runs of `patch` floats), which moves each value once."""
     t, h, w, c = frames.shape
     gt, bh, bw = t // temporal_patch, h // (patch * merge), w // (patch * merge)
-    x = frames.reshape(gt, temporal_patch, bh, merge, patch, bw, merge, patch, c)
-    # (group, window row, window col, row in window, col in window, channel, frame, y, x), still bytes
-    x = np.ascontiguousarray(x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)).reshape(-1, c, temporal_patch * patch * patch)
     table = normalize_table(tuple(mean), tuple(std))
-    out = np.empty(x.shape, np.float32)
-    for ch in range(c):
-        np.take(table[ch], x[:, ch], out=out[:, ch], mode="clip")   # bytes index the table: never out of range
-    return out.reshape(len(out), -1)
+    out = np.empty((gt, bh, bw, merge, merge, c, temporal_patch, patch, patch), np.float32)
+    plane = np.empty((h, w), np.float32)
+    for f in range(t):
+        group, slot = divmod(f, temporal_patch)
+        for ch in range(c):
+            np.take(table[ch], frames[f, :, :, ch], out=plane, mode="clip")   # bytes: never out of range
+            out[group, :, :, :, :, ch, slot] = (plane.reshape(bh, merge, patch, bw, merge, patch)
+                                                .transpose(0, 3, 1, 4, 2, 5))
+    return out.reshape(gt * bh * bw * merge * merge, c * temporal_patch * patch * patch)
