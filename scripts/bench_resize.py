@@ -12,10 +12,12 @@ thread), as a decoder runs (Ray gives each one CPU). Methods take turns within e
 
 1. Resize, ms per clip: `numpy` (resize_gemm, the default), `torch` (PyTorch's kernel, BATCHJOB_RESIZE=torch)
    and `reference` (the one-tap-at-a-time numpy statement, which was the torch-less fallback before).
-2. Whole preparation (resize + rescale + normalise + patchify), ms per clip: `numpy` (preprocess_video, the
-   decoders' default), `torch` (the same with BATCHJOB_RESIZE=torch) and `before` (what decoders ran before
-   this change: PyTorch's resize, then transformers' Qwen2-VL PIL image processor). Every method's pixel
-   values are checked bit-identical to `before`'s in the same run.
+2. Whole preparation (resize + rescale + normalise + patchify), ms per clip: `bytes` (what decoders run:
+   preprocess_video(normalise=False), uint8 patches the engine normalises on its device), `numpy` (the same
+   with float32 values made on the host), `torch` (`numpy` with BATCHJOB_RESIZE=torch) and `before` (what
+   decoders ran before this change: PyTorch's resize, then transformers' Qwen2-VL PIL image processor). Every
+   method's pixel values (bytes: after the engine's lookup) are checked bit-identical to `before`'s in the
+   same run.
 3. A decoder process as Ray starts one: a fresh interpreter that imports the Decoder, builds it with the MLX
    engine's input preparer (warm-up included), then decodes and prepares one 720p clip. Reported: start-up
    (import + warm-up), the clip's time, the process's own peak resident memory (VmHWM), and whether torch or
@@ -122,6 +124,7 @@ def time_clips(clips: dict[str, Path], checkpoint: Path, runs: int) -> tuple[lis
 
     import torch
 
+    from batchjob.engine.patchify import normalize_bytes, normalize_table
     from batchjob.engine.preprocess import plan_video, preprocess_video
     from batchjob.engine.resize import ENV, resize_frames
     from batchjob.loaders import load_video
@@ -137,27 +140,31 @@ def time_clips(clips: dict[str, Path], checkpoint: Path, runs: int) -> tuple[lis
         plan = plan_video(frames.shape, meta, settings)
         h, w = plan.grid_thw[1] * settings.patch_size, plan.grid_thw[2] * settings.patch_size
 
-        def prepare(backend: str):
+        def prepare(backend: str, normalise: bool = True):
             os.environ[ENV] = backend
             try:
-                return preprocess_video(frames, meta, settings).pixel_values
+                return preprocess_video(frames, meta, settings, normalise=normalise).pixel_values
             finally:
                 os.environ.pop(ENV)
 
         resizers = {m: (lambda m=m: resize_frames(frames, h, w, backend=m)) for m in ("numpy", "torch", "reference")}
-        preparers = {"numpy": lambda: prepare("numpy"), "torch": lambda: prepare("torch"),
-                     "before": lambda: before_prepare(frames, settings, plan)}
+        preparers = {"bytes": lambda: prepare("numpy", normalise=False), "numpy": lambda: prepare("numpy"),
+                     "torch": lambda: prepare("torch"), "before": lambda: before_prepare(frames, settings, plan)}
+        table = normalize_table(settings.image_mean, settings.image_std)
         for methods, rows, base in ((resizers, resize_rows, "torch"), (preparers, prepare_rows, "before")):
             samples: dict[str, list[float]] = {m: [] for m in methods}
-            outputs = {m: fn() for m, fn in methods.items()}             # warm-up, and the bytes compared
+            outputs = {m: fn() for m, fn in methods.items()}             # warm-up, and the values compared
+            megabytes = {m: o.nbytes / 1e6 for m, o in outputs.items()}
+            if "bytes" in outputs:                                       # as the engine will see them
+                outputs["bytes"] = normalize_bytes(outputs["bytes"], table)
             for _ in range(runs):
                 for m, fn in methods.items():
                     _timed(fn, samples[m])
             ms = {m: statistics.median(v) for m, v in samples.items()}
             rows.append({"clip": name, "case": label, "frames": list(frames.shape), "to": [h, w], "ms": ms,
+                         "payload_mb": megabytes,
                          "identical_to_" + base: {m: bool(np.array_equal(o, outputs[base])) for m, o in outputs.items()},
-                         "numpy_vs_torch": ms["numpy"] / ms["torch"],
-                         "numpy_vs_" + base: ms["numpy"] / ms[base]})
+                         "ratios": {f"{m} / {b}": ms[m] / ms[b] for m in ms for b in {"torch", base} if m != b}})
     return resize_rows, prepare_rows
 
 
@@ -179,14 +186,15 @@ def decoder_process(checkpoint: Path, clip: Path, tree: Path, max_pixels: int, r
 def _print_table(title: str, rows: list[dict], methods: tuple[str, ...], base: str) -> None:
     print(f"\n{title}")
     ratios = ("torch",) if base == "torch" else ("torch", base)
+    first = methods[0]
     print("| clip | case | to (h x w) | " + " | ".join(f"{m} ms" for m in methods)
-          + "".join(f" | numpy / {b}" for b in ratios) + f" | bit-identical to {base} |")
+          + "".join(f" | {first} / {b}" for b in ratios) + f" | bit-identical to {base} |")
     print("|---" * (len(methods) + len(ratios) + 4) + "|")
     for r in rows:
         same = ", ".join(m for m, ok in r["identical_to_" + base].items() if ok)
         print(f"| {r['clip']} | {r['case']} | {r['to'][0]}x{r['to'][1]} | "
               + " | ".join(f"{r['ms'][m]:.0f}" for m in methods)
-              + "".join(f" | {r['numpy_vs_' + b]:.2f}x" for b in ratios) + f" | {same} |")
+              + "".join(f" | {r['ms'][first] / r['ms'][b]:.2f}x" for b in ratios) + f" | {same} |")
 
 
 def main() -> None:
@@ -213,7 +221,10 @@ def main() -> None:
                      report["resize"], ("numpy", "torch", "reference"), "torch")
         _print_table("Whole preparation (resize + normalise + patchify), ms per clip, median of "
                      f"{args.runs}; before = PyTorch resize + transformers' processor", report["prepare"],
-                     ("numpy", "torch", "before"), "before")
+                     ("bytes", "numpy", "torch", "before"), "before")
+        print("bytes: what decoders run (uint8 patch bytes, normalised on the engine's device), "
+              + ", ".join(f"{r['clip']} {r['payload_mb']['bytes']:.1f} MB per clip against "
+                          f"{r['payload_mb']['numpy']:.1f} MB of float32" for r in report["prepare"]))
     max_pixels = shipped_settings(checkpoint).max_pixels
     trees = [("this tree, default (numpy)", ROOT, None), ("this tree, BATCHJOB_RESIZE=torch", ROOT, "torch")]
     if args.baseline_tree:

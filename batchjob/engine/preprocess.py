@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .patchify import patchify
+from .patchify import normalize_table, patchify
 from .resize import resize_frames
 from .types import EngineError
 
@@ -64,7 +64,9 @@ class VideoInputs(VideoPlan):
     only runs the model); the engine accepts it only when `settings` equal its checkpoint's own.
     """
 
-    pixel_values: np.ndarray  # float32 [grid_t * grid_h * grid_w, C * temporal_patch * patch * patch]
+    # [grid_t * grid_h * grid_w, C * temporal_patch * patch * patch]: float32 pixel values, or uint8 patch bytes
+    # (preprocess_video(normalise=False)) that the engine normalises on its device
+    pixel_values: np.ndarray
     settings: VisionSettings
 
 
@@ -237,13 +239,18 @@ def check_prepared(inputs: VideoInputs, settings: VisionSettings) -> None:
                          f"uses {settings}; prepare them with the engine's own settings (or pass frames)")
     gt, gh, gw = inputs.grid_thw
     width = 3 * settings.temporal_patch_size * settings.patch_size**2
+    if getattr(inputs.pixel_values, "dtype", None) not in (np.float32, np.uint8):
+        raise ValueError(f"clip inputs: pixel_values must be float32 values or uint8 patch bytes, not "
+                         f"{getattr(inputs.pixel_values, 'dtype', type(inputs.pixel_values).__name__)}")
     if getattr(inputs.pixel_values, "shape", None) != (gt * gh * gw, width):
         raise ValueError(f"clip inputs: pixel_values shape {getattr(inputs.pixel_values, 'shape', None)} does not "
                          f"match grid {inputs.grid_thw} ({gt * gh * gw} patches x {width})")
 
 
-def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSettings) -> VideoInputs:
-    """Pixel values and grid for one clip (see the module docstring for the method)."""
+def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSettings, *,
+                     normalise: bool = True) -> VideoInputs:
+    """Pixel values and grid for one clip (see the module docstring for the method). `normalise=False` keeps
+    the patches' uint8 bytes (a quarter of the size; the engine makes the same float32 values on its device)."""
     check_frames(frames)
     plan = plan_video(frames.shape, metadata, settings)
     tp = settings.temporal_patch_size
@@ -254,6 +261,7 @@ def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSetting
     # forces a size under min_pixels, planning again grows it), so nothing downstream may plan again.
     p = settings.patch_size
     frames = resize_frames(frames, plan.grid_thw[1] * p, plan.grid_thw[2] * p)
-    pixel_values = patchify(frames, p, settings.merge_size, tp, settings.image_mean, settings.image_std)
+    table = normalize_table(settings.image_mean, settings.image_std) if normalise else None
+    pixel_values = patchify(frames, p, settings.merge_size, tp, table)
     return VideoInputs(grid_thw=plan.grid_thw, second_per_grid_t=plan.second_per_grid_t, num_tokens=plan.num_tokens,
                        timestamps=plan.timestamps, pixel_values=pixel_values, settings=settings)

@@ -37,9 +37,9 @@ class Decoder:
     """Decodes one clip per call; with the engine's input preparer, also turns the frames into its input.
 
     A decoder needs numpy and PyAV, nothing heavier: the MLX engine's preparer resizes with exact banded
-    matrix products on numpy's BLAS and normalises through a lookup table (`engine/resize.py`,
-    `engine/patchify.py`), so a decoder imports neither torch nor transformers, each of which cost every
-    decoder process memory and seconds of start-up."""
+    matrix products on numpy's BLAS and cuts patches of bytes (`engine/resize.py`, `engine/patchify.py`), so
+    a decoder imports neither torch nor transformers, each of which cost every decoder process memory and
+    seconds of start-up."""
 
     def __init__(self, loader: str, num_frames: int, loader_kwargs: dict[str, Any],
                  prepare: InputPreparer | None = None, remote: RemoteOptions | None = None):

@@ -1,8 +1,8 @@
 """The MLX engine (`model.engine: mlx`) behind the engine contract: job config -> `batchjob.engine`.
 
 Importing this module imports no MLX; `load` does, in the engine actor. The input preparer runs the
-checkpoint's processor (resize, normalise, patchify) in the decode actors, so the engine's process only
-runs the model.
+checkpoint's processor (resize, patchify) in the decode actors and ships the patches as bytes, so the
+engine's process only looks them up (normalise, on its device) and runs the model.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def engine_config(model: ModelConfig, prompt: PromptConfig):
 
 
 class MlxClipPreparer:
-    """Resize + normalize + patchify a clip (the checkpoint's own processor) inside a decode worker.
+    """Resize + patchify a clip (the checkpoint's own processor) inside a decode worker.
 
     In the engine's process this took about half of the engine's time per clip on the tiny benchmark model;
     in the decoders it runs beside other clips. It needs only numpy (engine/preprocess.py): a decoder
@@ -46,12 +46,14 @@ class MlxClipPreparer:
         from batchjob.engine.preprocess import preprocess_video
 
         p = self.settings.patch_size * self.settings.merge_size
-        preprocess_video(np.zeros((2, p + 1, p + 1, 3), np.uint8), {}, self.settings)   # takes every code path
+        preprocess_video(np.zeros((2, p + 1, p + 1, 3), np.uint8), {}, self.settings, normalise=False)  # every path
 
     def __call__(self, frames, metadata: ClipMetadata):
+        """The clip's patches as uint8 bytes: a quarter of the float32 values' size through Ray's object store
+        and up to the device, where the engine normalises them (engine/patchify.py)."""
         from batchjob.engine.preprocess import preprocess_video
 
-        return preprocess_video(frames, metadata.as_dict(), self.settings)
+        return preprocess_video(frames, metadata.as_dict(), self.settings, normalise=False)
 
 
 class MlxEngine(EngineBase):

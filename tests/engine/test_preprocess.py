@@ -217,3 +217,31 @@ def test_prepared_inputs_are_checked_against_the_settings(rng):
         check_prepared(out, dataclasses.replace(settings, max_pixels=784 * 9))
     with pytest.raises(ValueError, match="does not match grid"):
         check_prepared(dataclasses.replace(out, pixel_values=out.pixel_values[1:]), settings)
+    check_prepared(preprocess_video(rng.integers(0, 256, (3, 60, 90, 3), dtype=np.uint8), {}, settings,
+                                    normalise=False), settings)
+    with pytest.raises(ValueError, match="float32 values or uint8 patch bytes, not float64"):
+        check_prepared(dataclasses.replace(out, pixel_values=out.pixel_values.astype(np.float64)), settings)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patch_bytes_normalise_to_the_same_values(family, rng):
+    """What decoders send (normalise=False): uint8 patch bytes, a quarter of the size, that the engine's lookup
+    (on the host, and on MLX's device as the classifier does it) turns into exactly the float32 values."""
+    import mlx.core as mx
+
+    from batchjob.engine.patchify import normalize_bytes, normalize_on_device, normalize_table
+
+    n = int(rng.integers(1, 6))
+    settings = VisionSettings(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * int(rng.integers(4, 30)) * n,
+                              **FAMILIES[family])
+    frames = rng.integers(0, 256, (n, int(rng.integers(30, 150)), int(rng.integers(30, 150)), 3), dtype=np.uint8)
+    meta = {"fps": 30.0, "frames_indices": list(range(n))}
+    values = preprocess_video(frames, meta, settings)
+    packed = preprocess_video(frames, meta, settings, normalise=False)
+    assert packed.pixel_values.dtype == np.uint8 and packed.pixel_values.shape == values.pixel_values.shape
+    assert (packed.grid_thw, packed.num_tokens, packed.settings) == (values.grid_thw, values.num_tokens, settings)
+    table = normalize_table(settings.image_mean, settings.image_std)
+    np.testing.assert_array_equal(normalize_bytes(packed.pixel_values, table), values.pixel_values)
+    on_device = normalize_on_device(packed.pixel_values, table)
+    assert on_device.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(on_device), values.pixel_values)

@@ -8,6 +8,7 @@ import pytest
 
 from batchjob.config import ModelConfig
 from batchjob.engine import load_vision_settings, preprocess_video
+from batchjob.engine.patchify import normalize_bytes, normalize_table
 from batchjob.contract import ClipMetadata, EngineBase
 from batchjob.pipeline import engines
 from batchjob.pipeline.engines import input_preparer as clip_preparer
@@ -34,7 +35,9 @@ def test_preparer_uses_the_checkpoints_settings_and_overrides(checkpoint):
     shipped.warm_up()
     made, expected = shipped(frames, ClipMetadata.from_loader(meta)), preprocess_video(frames, meta, prep.settings)
     assert made.grid_thw == expected.grid_thw and made.settings == expected.settings
-    np.testing.assert_array_equal(made.pixel_values, expected.pixel_values)
+    assert made.pixel_values.dtype == np.uint8          # patch bytes: the engine normalises them on its device
+    table = normalize_table(prep.settings.image_mean, prep.settings.image_std)
+    np.testing.assert_array_equal(normalize_bytes(made.pixel_values, table), expected.pixel_values)
 
 
 def test_preparer_carries_the_temporal_step_rule(checkpoint):
