@@ -75,6 +75,19 @@ def test_matches_the_processors(family, num_frames, rng):
     np.testing.assert_array_equal(out.pixel_values, expected)
 
 
+@pytest.mark.parametrize("source", [(720, 1280), (1080, 1920), (480, 640), (1280, 720)])
+def test_matches_the_processors_at_the_shipped_size(source, rng):
+    """Real frame sizes at configs/nextqa.yaml's max_pixels (200704, the processor's default min_pixels):
+    landscape and portrait, with a random min_pixels that sometimes forces an upscale."""
+    min_pixels = int(rng.choice([3136, 28 * 28 * int(rng.integers(300, 500))]))
+    settings = VisionSettings(min_pixels=min_pixels, max_pixels=max(200704, min_pixels))
+    frames = rng.integers(0, 256, (3, *source, 3), dtype=np.uint8)
+    out = preprocess_video(frames, {"fps": 30.0, "frames_indices": [0, 40, 80]}, settings)
+    expected, grid = _reference_video_patches(frames, settings)
+    assert out.grid_thw == grid
+    np.testing.assert_array_equal(out.pixel_values, expected)
+
+
 def test_smart_resize_is_transformers(rng):
     """The per-frame plan is transformers' Qwen2-VL smart_resize (ours runs without importing transformers)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
