@@ -1,10 +1,11 @@
 """Video frames -> the vision tower's input, exactly as the checkpoint's own processor would make it.
 
-transformers' Qwen2-VL *video* processor needs torchvision, which cannot run beside the CPU torch build
-here, so frames are resized to the smart_resize grid the way the video processor resizes them (see
-resize.py), then go through the checkpoint's *image* processor (PIL backend: rescale, CLIP mean/std,
-patchify; no further resize) and are grouped in time the way the video processor groups them:
-`temporal_patch_size` consecutive frames form one temporal patch, and a short last group is padded by repeating the last frame.
+Frames are resized to the smart_resize grid the way transformers' *video* processor resizes them
+(resize.py: PyTorch's fixed-point antialiased bicubic, reproduced in numpy), then rescaled, normalised and
+cut into patches as the checkpoint's *image* processor does it (patchify.py), and grouped in time the way
+the video processor groups them: `temporal_patch_size` consecutive frames form one temporal patch, and a
+short last group is padded by repeating the last frame. No transformers and no torch: decoders run this
+for every clip, and each of those imports costs a decoder process memory and start-up time.
 
 Qwen3-VL's video processor differs in two ways that change the tokens: its pixel budget
 (`size.longest_edge`) bounds the whole clip (`frames x height x width`), not each frame, and it rejects clips
@@ -14,7 +15,6 @@ group's time as text (`group_timestamps`).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .patchify import normalize_table, patchify
 from .resize import resize_frames
 from .types import EngineError
 
@@ -63,7 +64,9 @@ class VideoInputs(VideoPlan):
     only runs the model); the engine accepts it only when `settings` equal its checkpoint's own.
     """
 
-    pixel_values: np.ndarray  # float32 [grid_t * grid_h * grid_w, C * temporal_patch * patch * patch]
+    # [grid_t * grid_h * grid_w, C * temporal_patch * patch * patch]: float32 pixel values, or uint8 patch bytes
+    # (preprocess_video(normalise=False)) that the engine normalises on its device
+    pixel_values: np.ndarray
     settings: VisionSettings
 
 
@@ -120,30 +123,6 @@ def load_vision_settings(model_dir: Path, min_pixels: int | None, max_pixels: in
     )
 
 
-def image_processor(settings: VisionSettings, size: tuple[int, int] | None = None):
-    """transformers' PIL Qwen2-VL image processor configured like the checkpoint.
-
-    With `size` (height, width) every frame is resized to exactly that size (a clip-level budget was
-    applied already) and otherwise processed the same way."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    cls = Qwen2VLImageProcessorPil
-    if size is not None:
-        from transformers.image_utils import SizeDict
-
-        class FixedSize(Qwen2VLImageProcessorPil):
-            def resize(self, image, size=None, resample=None, factor=None, **kwargs):  # skips smart_resize only
-                return super(Qwen2VLImageProcessorPil, self).resize(
-                    image=image, size=SizeDict(height=fixed[0], width=fixed[1]), resample=resample)
-
-        fixed, cls = size, FixedSize
-    return cls(
-        min_pixels=settings.min_pixels, max_pixels=settings.max_pixels, patch_size=settings.patch_size,
-        temporal_patch_size=settings.temporal_patch_size, merge_size=settings.merge_size,
-        image_mean=list(settings.image_mean), image_std=list(settings.image_std),
-    )
-
-
 def sampling_fps(metadata: dict, num_frames: int | None = None, rule: str = "nominal") -> float:
     """Frames per second of the *sampled* frames, which sets the temporal M-RoPE step.
 
@@ -192,6 +171,29 @@ def group_timestamps(metadata: dict, num_frames: int, temporal_patch: int = 2,
     return tuple((times[i] + times[i + temporal_patch - 1]) / 2 for i in range(0, len(times), temporal_patch))
 
 
+def _fit_pixels(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1,
+                frames_bar: int = 1) -> tuple[int, int]:
+    """smart_resize's core, shared by both budgets: round to multiples of `factor`, then scale both sides so
+    frames x height x width falls inside [min_pixels, max_pixels] (transformers' arithmetic, step for step)."""
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if frames_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif frames_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def frame_smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's smart_resize: (height, width) multiples of `factor` with each frame's pixels inside
+    [min_pixels, max_pixels] (same arithmetic as transformers' image_processing_qwen2_vl)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above 200")
+    return _fit_pixels(height, width, factor, min_pixels, max_pixels)
+
+
 def clip_smart_resize(num_frames: int, height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
                       temporal_factor: int = 2) -> tuple[int, int]:
     """Qwen3-VL's video smart_resize: (height, width) multiples of `factor` with the *clip* (frames x h x w)
@@ -203,16 +205,8 @@ def clip_smart_resize(num_frames: int, height: int, width: int, factor: int, min
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > 200:
         raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above 200")
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return _fit_pixels(height, width, factor, min_pixels, max_pixels, num_frames, t_bar)
 
 
 def check_frames(frames: np.ndarray) -> None:
@@ -226,15 +220,12 @@ def check_frames(frames: np.ndarray) -> None:
 
 def plan_video(shape: tuple[int, ...], metadata: dict, settings: VisionSettings) -> VideoPlan:
     """Grid, token count and temporal step for `T` frames of `H x W` (`shape` = frames.shape)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
     t, h, w = (int(v) for v in shape[:3])
     p, merge, tp = settings.patch_size, settings.merge_size, settings.temporal_patch_size
     if settings.pixel_budget == "clip":
         height, width = clip_smart_resize(max(t, tp), h, w, p * merge, settings.min_pixels, settings.max_pixels, tp)
     else:
-        height, width = smart_resize(h, w, factor=p * merge, min_pixels=settings.min_pixels,
-                                     max_pixels=settings.max_pixels)
+        height, width = frame_smart_resize(h, w, p * merge, settings.min_pixels, settings.max_pixels)
     grid = (math.ceil(t / tp), height // p, width // p)
     return VideoPlan(grid_thw=grid, second_per_grid_t=tp / sampling_fps(metadata, t, settings.temporal_step),
                      num_tokens=grid[0] * grid[1] * grid[2] // merge**2,
@@ -248,45 +239,29 @@ def check_prepared(inputs: VideoInputs, settings: VisionSettings) -> None:
                          f"uses {settings}; prepare them with the engine's own settings (or pass frames)")
     gt, gh, gw = inputs.grid_thw
     width = 3 * settings.temporal_patch_size * settings.patch_size**2
+    if getattr(inputs.pixel_values, "dtype", None) not in (np.float32, np.uint8):
+        raise ValueError(f"clip inputs: pixel_values must be float32 values or uint8 patch bytes, not "
+                         f"{getattr(inputs.pixel_values, 'dtype', type(inputs.pixel_values).__name__)}")
     if getattr(inputs.pixel_values, "shape", None) != (gt * gh * gw, width):
         raise ValueError(f"clip inputs: pixel_values shape {getattr(inputs.pixel_values, 'shape', None)} does not "
                          f"match grid {inputs.grid_thw} ({gt * gh * gw} patches x {width})")
 
 
-@functools.lru_cache(maxsize=32)
-def _sized_processor(settings: VisionSettings, size: tuple[int, int]):
-    return image_processor(settings, size)
-
-
-def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSettings) -> VideoInputs:
-    """Pixel values and grid for one clip (see the module docstring for the method)."""
+def preprocess_video(frames: np.ndarray, metadata: dict, settings: VisionSettings, *,
+                     normalise: bool = True) -> VideoInputs:
+    """Pixel values and grid for one clip (see the module docstring for the method). `normalise=False` keeps
+    the patches' uint8 bytes (a quarter of the size; the engine makes the same float32 values on its device)."""
     check_frames(frames)
     plan = plan_video(frames.shape, metadata, settings)
     tp = settings.temporal_patch_size
     pad = (-len(frames)) % tp
     if pad:
         frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-    # Resize as the *video* processor does (torchvision's fixed-point pass), so the image processor below only
-    # rescales, normalises and patchifies: PIL's own resize rounds between passes and drifts off it.
+    # Resize once, to the plan, as the video processor does: smart_resize is not idempotent (where max_pixels
+    # forces a size under min_pixels, planning again grows it), so nothing downstream may plan again.
     p = settings.patch_size
-    size = (plan.grid_thw[1] * p, plan.grid_thw[2] * p)
-    frames = resize_frames(frames, *size)
-    # The frames are at the planned size: the processor must not plan again. smart_resize is not idempotent
-    # (where max_pixels forces a size under min_pixels, a second call grows it), and the video processor
-    # plans once.
-    out = _sized_processor(settings, size)(list(frames), return_tensors="np")
-    grids = out["image_grid_thw"]
-    _, gh, gw = (int(v) for v in grids[0])
-    if (gh, gw) != plan.grid_thw[1:]:
-        raise RuntimeError(f"the image processor made a {gh}x{gw} grid where smart_resize planned "
-                           f"{plan.grid_thw[1:]}; transformers' Qwen2-VL processor changed")
-    per_frame = np.asarray(out["pixel_values"], dtype=np.float32)
-    c, p = 3, settings.patch_size
-    n = gh * gw
-    # Each image patch repeats its frame over the temporal slot; keep slot 0 and put the real frames there.
-    per_frame = per_frame.reshape(len(frames), n, c, tp, p, p)[:, :, :, 0]
-    gt = len(frames) // tp
-    pixel_values = per_frame.reshape(gt, tp, n, c, p, p).transpose(0, 2, 3, 1, 4, 5).reshape(gt * n, c * tp * p * p)
+    frames = resize_frames(frames, plan.grid_thw[1] * p, plan.grid_thw[2] * p)
+    table = normalize_table(settings.image_mean, settings.image_std) if normalise else None
+    pixel_values = patchify(frames, p, settings.merge_size, tp, table)
     return VideoInputs(grid_thw=plan.grid_thw, second_per_grid_t=plan.second_per_grid_t, num_tokens=plan.num_tokens,
-                       timestamps=plan.timestamps, pixel_values=np.ascontiguousarray(pixel_values),
-                       settings=settings)
+                       timestamps=plan.timestamps, pixel_values=pixel_values, settings=settings)

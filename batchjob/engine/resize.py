@@ -1,15 +1,19 @@
-"""Frame resize as transformers' *video* processor does it (torchvision on uint8 frames), in numpy.
+"""Frame resize as transformers' *video* processor does it (torchvision on uint8 frames), without torch.
 
-Qwen2-VL's video processor resizes uint8 frames with torchvision: antialiased bicubic (a = -0.5), which on
-uint8 runs PyTorch's separable fixed-point path: a horizontal pass, rounded and clipped to uint8, then a
-vertical pass, with the weights quantised to int16 at a per-axis precision. PIL's resize (the image
-processor's) is the same filter but rounds differently, and a float resize lets bicubic overshoot survive
-between passes (up to 15 levels on busy frames); either moved option probabilities by several 1e-3 against
-vLLM and transformers on resized clips. This reproduces the fixed-point path, so the MLX engine sees the
-pixels a vLLM or transformers user gets. Where torch is importable, its own kernel (the very function
-torchvision calls, vectorised in C++) does the work instead: same pixels, an order of magnitude faster on
-1080p frames, which matters because decoders resize every frame of every clip. The numpy path keeps the
-default install free of torch; `BATCHJOB_RESIZE=numpy` forces it.
+Qwen2-VL's and Qwen3-VL's video processors resize uint8 frames with torchvision, which runs PyTorch's own
+fixed-point antialiased bicubic (aa_filter.py states it). PIL's resize (the image processors') is the same
+filter but rounds differently, and a float resize lets bicubic overshoot survive between passes (up to 15
+levels on busy frames); either moved option probabilities by several 1e-3 against vLLM and transformers on
+resized clips. So the engine reproduces the fixed-point path, and the MLX engine sees the pixels a vLLM or
+transformers user gets.
+
+Backends, all byte for byte the same:
+- `numpy` (the default): resize_gemm.py, the fixed-point arithmetic as exact banded matrix products on
+  numpy's BLAS. Decoders resize every frame of every clip, and this keeps them free of torch (its import
+  costs each decoder process about a gigabyte and seconds of start-up).
+- `torch`: PyTorch's kernel itself, the very function torchvision calls; several times faster still, for
+  machines where torch is installed anyway and decoders are the bottleneck (`BATCHJOB_RESIZE=torch`).
+- `reference`: aa_filter.py's one-tap-at-a-time statement of the arithmetic; slow, for checking.
 """
 from __future__ import annotations
 
@@ -17,67 +21,20 @@ import os
 
 import numpy as np
 
-CUBIC_A = -0.5       # PyTorch's antialiased bicubic (as PIL's); its plain bicubic uses -0.75
-MAX_PRECISION = 22   # PyTorch's bound on the fixed-point weight precision
+from .aa_filter import reference_resize
+from .resize_gemm import gemm_resize
 
-
-def _cubic(x: np.ndarray) -> np.ndarray:
-    x = np.abs(x)
-    a = CUBIC_A
-    near = ((a + 2) * x - (a + 3)) * x * x + 1
-    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-    return np.where(x < 1, near, np.where(x < 2, far, 0.0))
-
-
-def aa_taps(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(indices [out, K], float64 weights [out, K]) of the antialiased bicubic filter: the kernel is
-    stretched by the downscale factor and each output's weights are normalised to sum 1 (PyTorch's and
-    PIL's scheme). Unused taps point at index 0 with weight 0."""
-    scale = in_size / out_size
-    support_scale = max(scale, 1.0)
-    support = 2.0 * support_scale
-    rows = []
-    for i in range(out_size):
-        center = scale * (i + 0.5)
-        lo = max(int(center - support + 0.5), 0)
-        hi = min(int(center + support + 0.5), in_size)
-        w = _cubic((np.arange(lo, hi) - center + 0.5) / support_scale)
-        total = w.sum()
-        rows.append((lo, w / total if total != 0 else w))
-    k = max(len(w) for _, w in rows)
-    index, weight = np.zeros((out_size, k), np.int64), np.zeros((out_size, k), np.float64)
-    for i, (lo, w) in enumerate(rows):
-        index[i, :len(w)] = np.arange(lo, lo + len(w))
-        weight[i, :len(w)] = w
-    return index, weight
-
-
-def _fixed_point(weight: np.ndarray) -> tuple[np.ndarray, int]:
-    """int16-range weights and their precision: the most bits that keep 2 * max weight under 2**15."""
-    w_max = float(weight.max())
-    precision = 0
-    while precision < MAX_PRECISION and int(0.5 + w_max * (1 << (precision + 1))) < (1 << 15):
-        precision += 1
-    scaled = weight * (1 << precision)
-    return np.where(weight < 0, (-0.5 + scaled).astype(np.int64), (0.5 + scaled).astype(np.int64)), precision
-
-
-def _pass(x: np.ndarray, out_size: int) -> np.ndarray:
-    """One separable pass along axis 0 of a uint8 array, in fixed point, rounded and clipped to uint8.
-    Axis 0 so that each tap gathers whole contiguous slabs; int32 accumulation is exact (|255 * weight| <
-    2**23 per tap, a few dozen taps at most)."""
-    index, weight = aa_taps(x.shape[0], out_size)
-    coef, precision = _fixed_point(weight)
-    coef = coef.astype(np.int32).reshape(out_size, -1, *([1] * (x.ndim - 1)))
-    acc = np.full((out_size, *x.shape[1:]), 1 << (precision - 1), np.int32)
-    for k in range(index.shape[1]):        # one tap at a time: memory stays at one output-sized array
-        acc += x[index[:, k]].astype(np.int32) * coef[:, k]
-    return np.clip(acc >> precision, 0, 255).astype(np.uint8)
+BACKENDS = ("numpy", "torch", "reference")
+ENV = "BATCHJOB_RESIZE"
 
 
 def _torch_kernel(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """PyTorch's uint8 antialiased bicubic, called as torchvision calls it (an ImportError names torch)."""
-    import torch
+    """PyTorch's uint8 antialiased bicubic, called as torchvision calls it."""
+    try:
+        import torch
+    except ImportError as err:
+        raise RuntimeError(f"{ENV}=torch needs PyTorch installed in this process's environment "
+                           f"({err}); unset {ENV} to use the numpy resize, which gives the same bytes") from None
 
     # A channels-last view: PyTorch's vectorised uint8 kernel reads it directly (same bytes as NCHW, tested).
     x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
@@ -87,31 +44,24 @@ def _torch_kernel(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(x.permute(0, 2, 3, 1).numpy())
 
 
-def _torch_resize(frames: np.ndarray, height: int, width: int) -> np.ndarray | None:
-    """`_torch_kernel` where torch is installed and not refused by `BATCHJOB_RESIZE=numpy`; None otherwise."""
-    if os.environ.get("BATCHJOB_RESIZE", "auto") == "numpy":
-        return None
-    try:
-        return _torch_kernel(frames, height, width)
-    except ImportError:
-        return None
+def resize_backend(backend: str | None = None) -> str:
+    """The backend to use: `backend` if given, else $BATCHJOB_RESIZE, else numpy (ValueError if unknown)."""
+    name = backend if backend is not None else (os.environ.get(ENV) or "numpy")
+    if name not in BACKENDS:
+        source = "backend" if backend is not None else ENV
+        raise ValueError(f"{source}={name!r}: the frame resize backend must be one of {', '.join(BACKENDS)}")
+    return name
 
 
-def resize_frames(frames: np.ndarray, height: int, width: int, backend: str = "auto") -> np.ndarray:
+def resize_frames(frames: np.ndarray, height: int, width: int, backend: str | None = None) -> np.ndarray:
     """uint8 [T, H, W, C] -> uint8 [T, height, width, C], as torchvision resizes a uint8 video.
 
-    `backend`: "auto" (torch's kernel when importable, else numpy), "numpy" or "torch"."""
+    `backend`: "numpy", "torch" or "reference" (see the module docstring); None reads $BATCHJOB_RESIZE."""
+    name = resize_backend(backend)
     if frames.shape[1:3] == (height, width):
         return frames
-    if backend == "torch":
+    if name == "torch":
         return _torch_kernel(frames, height, width)
-    if backend == "auto":
-        out = _torch_resize(frames, height, width)
-        if out is not None:
-            return out
-    out = frames
-    if frames.shape[2] != width:         # horizontal first, as PyTorch (and PIL) do
-        out = np.ascontiguousarray(_pass(np.ascontiguousarray(out.transpose(2, 0, 1, 3)), width).transpose(1, 2, 0, 3))
-    if frames.shape[1] != height:
-        out = np.ascontiguousarray(_pass(np.ascontiguousarray(out.transpose(1, 0, 2, 3)), height).transpose(1, 0, 2, 3))
-    return out
+    if name == "reference":
+        return reference_resize(frames, height, width)
+    return gemm_resize(np.ascontiguousarray(frames), height, width)

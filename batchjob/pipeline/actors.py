@@ -36,10 +36,10 @@ def _node_id() -> str:
 class Decoder:
     """Decodes one clip per call; with the engine's input preparer, also turns the frames into its input.
 
-    Unlike the MLX engine's actor, a decoder leaves torch visible: the preparer's resize runs PyTorch's own
-    uint8 kernel when torch is installed (`engine/resize.py`), many times faster than the numpy fallback on
-    1080p frames, and every frame of every clip passes through it. Hidden, it made the decoders the job's
-    bottleneck on a GPU machine (see benchmarks/results); the price is torch's import once per decoder."""
+    A decoder needs numpy and PyAV, nothing heavier: the MLX engine's preparer resizes with exact banded
+    matrix products on numpy's BLAS and cuts patches of bytes (`engine/resize.py`, `engine/patchify.py`), so
+    a decoder imports neither torch nor transformers, each of which cost every decoder process memory and
+    seconds of start-up."""
 
     def __init__(self, loader: str, num_frames: int, loader_kwargs: dict[str, Any],
                  prepare: InputPreparer | None = None, remote: RemoteOptions | None = None):

@@ -1,8 +1,8 @@
 """The MLX engine (`model.engine: mlx`) behind the engine contract: job config -> `batchjob.engine`.
 
 Importing this module imports no MLX; `load` does, in the engine actor. The input preparer runs the
-checkpoint's processor (resize, normalise, patchify) in the decode actors, so the engine's process only
-runs the model.
+checkpoint's processor (resize, patchify) in the decode actors and ships the patches as bytes, so the
+engine's process only looks them up (normalise, on its device) and runs the model.
 """
 from __future__ import annotations
 
@@ -28,31 +28,32 @@ def engine_config(model: ModelConfig, prompt: PromptConfig):
 
 
 class MlxClipPreparer:
-    """Resize + normalize + patchify a clip (the checkpoint's own processor) inside a decode worker.
+    """Resize + patchify a clip (the checkpoint's own processor) inside a decode worker.
 
     In the engine's process this took about half of the engine's time per clip on the tiny benchmark model;
-    in the decoders it runs beside other clips.
+    in the decoders it runs beside other clips. It needs only numpy (engine/preprocess.py): a decoder
+    imports neither torch nor transformers, unless `BATCHJOB_RESIZE=torch` asks for PyTorch's resize.
     """
 
     def __init__(self, settings):
         self.settings = settings
-        self._processor = None
 
     def warm_up(self) -> None:
-        """Import transformers and build the processor now (at actor start, beside the model load)."""
-        from batchjob.engine.preprocess import image_processor
+        """Import the preprocessing and check the resize backend now, at actor start: a bad
+        BATCHJOB_RESIZE, or torch missing where it names torch, fails here rather than on every clip."""
+        import numpy as np
 
-        self._processor = image_processor(self.settings)
-
-    def __call__(self, frames, metadata: ClipMetadata):
         from batchjob.engine.preprocess import preprocess_video
 
-        if self._processor is None:
-            self.warm_up()
-        return preprocess_video(frames, metadata.as_dict(), self.settings)
+        p = self.settings.patch_size * self.settings.merge_size
+        preprocess_video(np.zeros((2, p + 1, p + 1, 3), np.uint8), {}, self.settings, normalise=False)  # every path
 
-    def __getstate__(self) -> dict:
-        return {"settings": self.settings, "_processor": None}   # the processor is rebuilt where it runs
+    def __call__(self, frames, metadata: ClipMetadata):
+        """The clip's patches as uint8 bytes: a quarter of the float32 values' size through Ray's object store
+        and up to the device, where the engine normalises them (engine/patchify.py)."""
+        from batchjob.engine.preprocess import preprocess_video
+
+        return preprocess_video(frames, metadata.as_dict(), self.settings, normalise=False)
 
 
 class MlxEngine(EngineBase):

@@ -197,6 +197,26 @@ def test_prepared_inputs_answer_like_frames(tiny_classifier, rng, make_clip, mak
     for a, b in zip(from_frames, from_inputs):
         assert b.error is None and a.choice == b.choice and a.prompt_tokens == b.prompt_tokens
         np.testing.assert_allclose(a.probs, b.probs, rtol=0, atol=1e-6)
+    # The decoders' uint8 patch bytes, normalised on the engine's device: the same pixel values, so the same
+    # vision features bit for bit, and the same answers (to the tolerance of a repeated call: the prefix cache
+    # changes what a call computes together).
+    import mlx.core as mx
+
+    from batchjob.engine.patchify import normalize_on_device, normalize_table
+
+    packed = preprocess_video(clip.frames, clip.metadata, clf.checkpoint.vision, normalise=False)
+    assert packed.pixel_values.dtype == np.uint8
+    ck, v = clf.checkpoint, clf.checkpoint.vision
+    with mx.stream(clf._device):
+        features = [np.array(ck.family.encode_video(ck.model, pixels, inputs.grid_thw, ck.dtype).astype(mx.float32))
+                    for pixels in (inputs.pixel_values,
+                                   normalize_on_device(packed.pixel_values, normalize_table(v.image_mean, v.image_std)))]
+    np.testing.assert_array_equal(*features)
+    from_bytes = clf.classify([_with_clip(r, Clip(None, clip.metadata, f"bytes-{uuid.uuid4().hex}", inputs=packed))
+                               for r in requests])
+    for a, b in zip(from_inputs, from_bytes):
+        assert b.error is None and (a.choice, a.prompt_tokens) == (b.choice, b.prompt_tokens)
+        np.testing.assert_allclose(a.probs, b.probs, rtol=0, atol=1e-6)
 
     v = clf.checkpoint.vision
     other = preprocess_video(clip.frames, clip.metadata, VisionSettings(v.min_pixels, v.max_pixels * 2))

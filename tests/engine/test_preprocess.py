@@ -11,34 +11,42 @@ from batchjob.engine import EngineError
 from batchjob.engine.preprocess import VisionSettings, load_vision_settings, preprocess_video, sampling_fps
 
 
-def _torch_resize(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """What torchvision's resize does to a uint8 video (transformers' video processor): PyTorch's uint8
-    antialiased bicubic (torchvision itself cannot be imported beside the CPU torch here)."""
-    import torch
-
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()
-    x = torch.nn.functional.interpolate(x, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
-    return x.permute(0, 2, 3, 1).numpy()
+# The two families' processor settings: Qwen2-VL / Qwen2.5-VL (CLIP statistics, 14-pixel patches, a pixel budget
+# per frame) and Qwen3-VL (0.5 / 0.5, 16-pixel patches, the budget over the whole clip).
+FAMILIES = {
+    "qwen2_5_vl": dict(),
+    "qwen3_vl": dict(patch_size=16, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), pixel_budget="clip"),
+}
 
 
 def _reference_video_patches(frames: np.ndarray, settings: VisionSettings) -> tuple[np.ndarray, tuple]:
-    """Frames -> resized as the video processor resizes (torch), normalized via transformers' PIL image
-    processor (one image each, already at its size), then the video processor's documented layout:
-    (t, h/m, w/m, m, m, C, temporal, patch, patch), written out directly."""
+    """Frames -> resized as the video processor resizes (PyTorch's kernel, see test_resize.py) to the size
+    transformers' own smart_resize plans, normalised by transformers' PIL image processor (one image each,
+    already at its size), then the video processor's documented layout: (t, h/m, w/m, m, m, C, temporal,
+    patch, patch), written out directly."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as clip_smart_resize
+
+    from .test_resize import torch_resize
 
     p, m, tp = settings.patch_size, settings.merge_size, settings.temporal_patch_size
-    h, w = smart_resize(frames.shape[1], frames.shape[2], factor=p * m, min_pixels=settings.min_pixels,
-                        max_pixels=settings.max_pixels)
-    proc = Qwen2VLImageProcessorPil(min_pixels=settings.min_pixels, max_pixels=settings.max_pixels)
+    if settings.pixel_budget == "clip":
+        h, w = clip_smart_resize(max(len(frames), tp), frames.shape[1], frames.shape[2], factor=p * m,
+                                 min_pixels=settings.min_pixels, max_pixels=settings.max_pixels)
+    else:
+        h, w = smart_resize(frames.shape[1], frames.shape[2], factor=p * m, min_pixels=settings.min_pixels,
+                            max_pixels=settings.max_pixels)
+    proc = Qwen2VLImageProcessorPil(min_pixels=h * w, max_pixels=h * w, patch_size=p, merge_size=m,
+                                    temporal_patch_size=tp, image_mean=list(settings.image_mean),
+                                    image_std=list(settings.image_std))
     if (h, w) != frames.shape[1:3]:
-        frames = _torch_resize(frames, h, w)
+        frames = torch_resize(frames, h, w)
     # Undo the image processor's patchify on a single frame to recover the normalized image [C, H, W].
     images = []
     for frame in frames:
-        flat = np.asarray(proc(frame, return_tensors="np")["pixel_values"])
-        gh, gw = h // p, w // p
-        patches = flat.reshape(gh // m, gw // m, m, m, 3, tp, p, p)[:, :, :, :, :, 0]
+        out = proc(frame, return_tensors="np")
+        assert tuple(out["image_grid_thw"][0]) == (1, h // p, w // p)   # the processor kept the size
+        patches = np.asarray(out["pixel_values"]).reshape(h // p // m, w // p // m, m, m, 3, tp, p, p)[:, :, :, :, :, 0]
         images.append(patches.transpose(4, 0, 2, 5, 1, 3, 6).reshape(3, h, w))
     video = np.stack(images)
     if len(video) % tp:
@@ -49,46 +57,69 @@ def _reference_video_patches(frames: np.ndarray, settings: VisionSettings) -> tu
     return x.reshape(gt * gh * gw, 3 * tp * p * p), (gt, gh, gw)
 
 
-@pytest.mark.parametrize("num_frames", [1, 2, 3, 4, 5])
-def test_matches_reference_layout(num_frames, rng):
-    settings = VisionSettings(min_pixels=28 * 28 * 2, max_pixels=int(rng.integers(28 * 28 * 4, 28 * 28 * 30)))
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("num_frames", [1, 2, 3, 5])
+def test_matches_the_processors(family, num_frames, rng):
+    """Exactly transformers' output, for both families: the same float32 operations (rescale in float64 then
+    float32, normalise in float32) on the same resized bytes, in the video processor's layout."""
+    per_frame = int(rng.integers(28 * 28 * 4, 28 * 28 * 30))
+    budget = per_frame * (num_frames if family == "qwen3_vl" else 1)
+    settings = VisionSettings(min_pixels=28 * 28 * 2, max_pixels=budget, **FAMILIES[family])
     frames = rng.integers(0, 256, (num_frames, int(rng.integers(40, 200)), int(rng.integers(40, 200)), 3),
                           dtype=np.uint8)
     out = preprocess_video(frames, {"fps": 30.0, "frames_indices": list(range(num_frames))}, settings)
     expected, grid = _reference_video_patches(frames, settings)
     assert out.grid_thw == grid
     assert out.num_tokens == grid[0] * grid[1] * grid[2] // 4
-    np.testing.assert_allclose(out.pixel_values, expected, rtol=0, atol=1e-6)
+    assert out.pixel_values.dtype == np.float32
+    np.testing.assert_array_equal(out.pixel_values, expected)
 
 
-def test_resize_is_the_video_processors(rng):
-    """Our numpy resize is bit-identical to PyTorch's uint8 antialiased bicubic (torchvision's path), down,
-    up, and one axis only."""
-    from batchjob.engine.resize import resize_frames
-
-    for _ in range(12):
-        h, w = int(rng.integers(20, 220)), int(rng.integers(20, 220))
-        frames = rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8)
-        height, width = int(rng.integers(14, 200)), int(rng.integers(14, 200))
-        height = h if rng.random() < 0.25 else height
-        want = _torch_resize(frames, height, width)
-        np.testing.assert_array_equal(resize_frames(frames, height, width, backend="numpy"), want)
-        np.testing.assert_array_equal(resize_frames(frames, height, width, backend="torch"), want)
+@pytest.mark.parametrize("source", [(720, 1280), (1080, 1920), (480, 640), (1280, 720)])
+def test_matches_the_processors_at_the_shipped_size(source, rng):
+    """Real frame sizes at configs/nextqa.yaml's max_pixels (200704, the processor's default min_pixels):
+    landscape and portrait, with a random min_pixels that sometimes forces an upscale."""
+    min_pixels = int(rng.choice([3136, 28 * 28 * int(rng.integers(300, 500))]))
+    settings = VisionSettings(min_pixels=min_pixels, max_pixels=max(200704, min_pixels))
+    frames = rng.integers(0, 256, (3, *source, 3), dtype=np.uint8)
+    out = preprocess_video(frames, {"fps": 30.0, "frames_indices": [0, 40, 80]}, settings)
+    expected, grid = _reference_video_patches(frames, settings)
+    assert out.grid_thw == grid
+    np.testing.assert_array_equal(out.pixel_values, expected)
 
 
-def test_resize_backends_agree_at_real_frame_sizes(rng, monkeypatch):
-    """1080p and 720p frames down to Qwen's grids: the torch kernel the decoders use when torch is installed
-    and the numpy path they fall back on give the same bytes; `BATCHJOB_RESIZE=numpy` forces numpy."""
-    from batchjob.engine import resize
+def test_smart_resize_is_transformers(rng):
+    """The per-frame plan is transformers' Qwen2-VL smart_resize (ours runs without importing transformers)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    for (h, w), (height, width) in [((1080, 1920), (336, 588)), ((720, 1280), (448, 784)), ((360, 640), (364, 644))]:
-        frames = rng.integers(0, 256, (2, h, w, 3), dtype=np.uint8)
-        numpy_out = resize.resize_frames(frames, height, width, backend="numpy")
-        np.testing.assert_array_equal(resize.resize_frames(frames, height, width), numpy_out)
-    monkeypatch.setenv("BATCHJOB_RESIZE", "numpy")
-    assert resize._torch_resize(frames, height, width) is None
-    same = frames[:, :100, :120]
-    assert resize.resize_frames(same, 100, 120) is same
+    from batchjob.engine.preprocess import frame_smart_resize
+
+    for _ in range(3000):
+        h, w = (int(v) for v in rng.integers(10, 5000, 2))
+        if max(h, w) / min(h, w) > 200:
+            continue
+        factor = int(rng.choice([28, 32]))
+        lo = int(rng.integers(1, 64)) * factor * factor
+        hi = lo + int(rng.integers(0, 20000)) * factor
+        assert frame_smart_resize(h, w, factor, lo, hi) == smart_resize(h, w, factor=factor, min_pixels=lo,
+                                                                         max_pixels=hi), (h, w, factor, lo, hi)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        frame_smart_resize(10, 2500, 28, 784, 784 * 100)
+
+
+def test_video_processors_fused_normalisation_is_within_float32_rounding():
+    """transformers' torchvision-based *video* processors fold the rescale into mean and std ((x - 255 mean) /
+    (255 std), float32); the PIL image processor, which batchjob matches exactly, rescales first. The two
+    differ by float32 rounding only (a few units in the last place)."""
+    import torch
+
+    from batchjob.engine.patchify import normalize_table
+
+    for mean, std in [VisionSettings.image_mean, VisionSettings.image_std], [(0.5,) * 3, (0.5,) * 3]:
+        ours = normalize_table(tuple(mean), tuple(std))
+        x = torch.arange(256, dtype=torch.float32)[None, :]
+        fused = ((x - torch.tensor(mean)[:, None] * 255.0) / (torch.tensor(std)[:, None] * 255.0)).numpy()
+        np.testing.assert_allclose(ours, fused, rtol=0, atol=4 * np.finfo(np.float32).eps * np.abs(fused).max())
 
 
 def test_identical_frames_equal_image_processor_output(rng):
@@ -199,3 +230,31 @@ def test_prepared_inputs_are_checked_against_the_settings(rng):
         check_prepared(out, dataclasses.replace(settings, max_pixels=784 * 9))
     with pytest.raises(ValueError, match="does not match grid"):
         check_prepared(dataclasses.replace(out, pixel_values=out.pixel_values[1:]), settings)
+    check_prepared(preprocess_video(rng.integers(0, 256, (3, 60, 90, 3), dtype=np.uint8), {}, settings,
+                                    normalise=False), settings)
+    with pytest.raises(ValueError, match="float32 values or uint8 patch bytes, not float64"):
+        check_prepared(dataclasses.replace(out, pixel_values=out.pixel_values.astype(np.float64)), settings)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patch_bytes_normalise_to_the_same_values(family, rng):
+    """What decoders send (normalise=False): uint8 patch bytes, a quarter of the size, that the engine's lookup
+    (on the host, and on MLX's device as the classifier does it) turns into exactly the float32 values."""
+    import mlx.core as mx
+
+    from batchjob.engine.patchify import normalize_bytes, normalize_on_device, normalize_table
+
+    n = int(rng.integers(1, 6))
+    settings = VisionSettings(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * int(rng.integers(4, 30)) * n,
+                              **FAMILIES[family])
+    frames = rng.integers(0, 256, (n, int(rng.integers(30, 150)), int(rng.integers(30, 150)), 3), dtype=np.uint8)
+    meta = {"fps": 30.0, "frames_indices": list(range(n))}
+    values = preprocess_video(frames, meta, settings)
+    packed = preprocess_video(frames, meta, settings, normalise=False)
+    assert packed.pixel_values.dtype == np.uint8 and packed.pixel_values.shape == values.pixel_values.shape
+    assert (packed.grid_thw, packed.num_tokens, packed.settings) == (values.grid_thw, values.num_tokens, settings)
+    table = normalize_table(settings.image_mean, settings.image_std)
+    np.testing.assert_array_equal(normalize_bytes(packed.pixel_values, table), values.pixel_values)
+    on_device = normalize_on_device(packed.pixel_values, table)
+    assert on_device.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(on_device), values.pixel_values)

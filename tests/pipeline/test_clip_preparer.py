@@ -8,6 +8,7 @@ import pytest
 
 from batchjob.config import ModelConfig
 from batchjob.engine import load_vision_settings, preprocess_video
+from batchjob.engine.patchify import normalize_bytes, normalize_table
 from batchjob.contract import ClipMetadata, EngineBase
 from batchjob.pipeline import engines
 from batchjob.pipeline.engines import input_preparer as clip_preparer
@@ -29,12 +30,14 @@ def test_preparer_uses_the_checkpoints_settings_and_overrides(checkpoint):
     frames = rng.integers(0, 256, (int(rng.integers(1, 6)), int(rng.integers(40, 200)), int(rng.integers(40, 200)), 3),
                           dtype=np.uint8)
     meta = {"fps": 30.0, "frames_indices": list(range(0, 10 * len(frames), 10))}
-    shipped = pickle.loads(pickle.dumps(prep))           # what a decoder receives: settings, no processor
-    assert shipped._processor is None and shipped.settings == prep.settings
+    shipped = pickle.loads(pickle.dumps(prep))           # what a decoder receives
+    assert shipped.settings == prep.settings
+    shipped.warm_up()
     made, expected = shipped(frames, ClipMetadata.from_loader(meta)), preprocess_video(frames, meta, prep.settings)
     assert made.grid_thw == expected.grid_thw and made.settings == expected.settings
-    np.testing.assert_array_equal(made.pixel_values, expected.pixel_values)
-    assert pickle.loads(pickle.dumps(shipped))._processor is None   # never pickles the processor
+    assert made.pixel_values.dtype == np.uint8          # patch bytes: the engine normalises them on its device
+    table = normalize_table(prep.settings.image_mean, prep.settings.image_std)
+    np.testing.assert_array_equal(normalize_bytes(made.pixel_values, table), expected.pixel_values)
 
 
 def test_preparer_carries_the_temporal_step_rule(checkpoint):
@@ -75,40 +78,52 @@ def test_preparer_settings_equal_the_engines(checkpoint, timestamps):
     assert prep.settings == family.vision_settings(EngineConfig(timestamps=timestamps, temporal_step="actual"))
 
 
-DECODER_RESIZE = """
+DECODER = """
 import json, sys
-from batchjob.engine import resize
-calls = {"torch": 0}
-real = resize._torch_resize
-def counting(*args, **kwargs):
-    out = real(*args, **kwargs)
-    calls["torch"] += out is not None
-    return out
-resize._torch_resize = counting
+import numpy as np
 from batchjob.config import ModelConfig
-from batchjob.pipeline.actors import Decoder
+from batchjob.pipeline import actors
 from batchjob.pipeline.engines import input_preparer
-decoder = Decoder("pyav_keyframes", 4, {}, input_preparer(ModelConfig(checkpoint=sys.argv[1], max_pixels=28 * 28 * 8)))
+actors._node_id = lambda: "test"          # the Decoder class as Ray runs it, minus Ray
+decoder = actors.Decoder("pyav_keyframes", 4, {}, input_preparer(ModelConfig(checkpoint=sys.argv[1], max_pixels=28 * 28 * 8)))
 status, payload = decoder.decode(sys.argv[2])
-print(json.dumps({"ok": status.ok, "error": status.error, "grid": list(payload.grid_thw), "torch_resizes": calls["torch"]}))
+np.save(sys.argv[3], payload.pixel_values)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(json.dumps({"ok": status.ok, "error": status.error, "prepared": decoder.prepare is not None,
+                  "grid": list(payload.grid_thw), "torch": "torch" in sys.modules,
+                  "transformers": "transformers" in sys.modules, "vmhwm_mb": hwm / 1024}))
 """
 
 
-def test_decoders_resize_with_torchs_kernel_when_torch_is_installed(checkpoint, tmp_path):
-    """The MLX engine hides torch in its own actor only: a decoder (fresh process, as Ray starts one) with the
-    engine's preparer resizes through PyTorch's uint8 kernel, not the slow numpy fallback."""
+def _decoder_process(checkpoint, clip, out, resize=None) -> dict:
     import json
+    import os
     import subprocess
     import sys
 
-    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k != "BATCHJOB_RESIZE"}
+    if resize:
+        env["BATCHJOB_RESIZE"] = resize
+    proc = subprocess.run([sys.executable, "-c", DECODER, str(checkpoint), str(clip), str(out)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and result["prepared"], result
+    return result
+
+
+def test_decoders_import_neither_torch_nor_transformers(checkpoint, tmp_path):
+    """A decoder (fresh process, as Ray starts one) with the MLX engine's preparer decodes and prepares a clip
+    without importing torch or transformers, and its pixel values are those of PyTorch's resize, which
+    `BATCHJOB_RESIZE=torch` still selects where torch is installed."""
     from batchjob.synthetic.clips import make_clip
 
     clip = tmp_path / "clip.mp4"
-    make_clip(clip, width=320, height=240, seconds=2.0, seed=int(np.random.default_rng().integers(1000)))
-    proc = subprocess.run([sys.executable, "-c", DECODER_RESIZE, str(checkpoint), str(clip)], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["ok"], out["error"]
-    assert out["torch_resizes"] == 1 and out["grid"][1] * 14 < 240   # resized down, by torch
+    make_clip(clip, width=320, height=240, seconds=2.0, pattern="motion", seed=int(np.random.default_rng().integers(1000)))
+    plain = _decoder_process(checkpoint, clip, tmp_path / "numpy.npy")
+    assert not plain["torch"] and not plain["transformers"], plain
+    assert plain["grid"][1] * 14 < 240                                   # it did resize
+    pytest.importorskip("torch")
+    with_torch = _decoder_process(checkpoint, clip, tmp_path / "torch.npy", resize="torch")
+    assert with_torch["torch"] and not with_torch["transformers"], with_torch
+    np.testing.assert_array_equal(np.load(tmp_path / "numpy.npy"), np.load(tmp_path / "torch.npy"))

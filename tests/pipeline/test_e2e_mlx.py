@@ -18,6 +18,7 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
     summary = " ".join(res.stdout.split())   # the table wraps long cells
     assert "memory budget" in summary and "auto: 75% of RAM, less" in summary and "KV" in summary, res.stdout
     assert "start-up" in summary and "to the first answer" in summary and "engine_load" in summary, res.stdout
+    assert "host peak memory" in summary and "MB each" in summary, res.stdout   # the decoders' own peaks
     root = tmp_path / "demo"
     records = h.manifest_records(root / "manifest.jsonl")
     suffix = "" if model_type == "qwen2_5_vl" else f"-{model_type}"
