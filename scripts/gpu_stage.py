@@ -33,11 +33,11 @@ CALL_LIMIT = 64 * 2**20
 
 # The versions the development environments test with (inside pyproject.toml's ranges). Ray's own runtime
 # needs that the image lacks: jsonschema and its three dependencies. typing-extensions travels too, since
-# pydantic-core needs a recent one.
+# pydantic-core needs a recent one; threadpoolctl keeps the decoders' resize on one BLAS thread.
 WHEELS = (
     "ray==2.60.0", "av==18.1.0", "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0",
     "typing-inspection==0.4.5", "typing-extensions==4.16.0", "cronsim==2.8", "jsonschema==4.26.0",
-    "jsonschema-specifications==2025.9.1", "referencing==0.37.0", "rpds-py==2026.9.1",
+    "jsonschema-specifications==2025.9.1", "referencing==0.37.0", "rpds-py==2026.9.1", "threadpoolctl==3.8.0",
 )
 
 # Ray subpackages a local cluster with tasks and actors never imports (checked with an import trace of
