@@ -96,6 +96,8 @@ class TinyModelSpec:
     moe_intermediate_size: int = 48
     tie_word_embeddings: bool = False
     video_max_pixels: int = 32 * 32 * 64
+    # Extra lines the tokenizer's merges are learned from (the demo model's question words become single tokens).
+    corpus: tuple[str, ...] = ()
 
     @property
     def patch_size(self) -> int:
@@ -134,8 +136,9 @@ CORPUS = (
 )
 
 
-def build_tokenizer(chat_template: str = CHAT_TEMPLATE):
-    """Byte-level BPE tokenizer with Qwen's special tokens and chat template (see the module docstring)."""
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE, corpus: tuple[str, ...] = ()):
+    """Byte-level BPE tokenizer with Qwen's special tokens and chat template (see the module docstring);
+    `corpus` adds lines to learn merges from."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -144,7 +147,7 @@ def build_tokenizer(chat_template: str = CHAT_TEMPLATE):
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1000, min_frequency=1, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    core.train_from_iterator(CORPUS, trainer)
+    core.train_from_iterator(CORPUS + tuple(corpus), trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template
     )
@@ -265,7 +268,7 @@ def write_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec = TinyModelSp
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     qwen3 = spec.model_type in QWEN3_TYPES
-    tokenizer = build_tokenizer(CHAT_TEMPLATE_QWEN3 if qwen3 else CHAT_TEMPLATE)
+    tokenizer = build_tokenizer(CHAT_TEMPLATE_QWEN3 if qwen3 else CHAT_TEMPLATE, spec.corpus)
     token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = (len(tokenizer) + 63) // 64 * 64  # padded like real checkpoints: logits exist for unused ids
     config = checkpoint_config(spec, token_ids, vocab_size)

@@ -49,9 +49,12 @@ class Qwen2VLFamily(ModelFamily):
         span = placeholder_runs(ids, self.video_token_id)[0]
         return VideoPrompt(ids, positions, span, video_rows(ids, self.video_token_id))
 
-    def fix_model(self, model) -> None:
+    def correct_model(self, model) -> None:
         if self.hf_config["model_type"] == "qwen2_5_vl":   # mlx-vlm 0.7.10's empty windows (docs/upstream.md)
             patch_window_index(model.vision_tower)
+
+    def tune_model(self, model) -> None:
+        if self.hf_config["model_type"] == "qwen2_5_vl":
             fuse_gated_mlps(model.vision_tower.blocks)     # GEMM-friendly widths (vision_mlp.py)
 
     def encode_video(self, model, pixel_values, grid_thw, dtype) -> mx.array:

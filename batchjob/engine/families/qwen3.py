@@ -83,9 +83,8 @@ class Qwen3VLFamily(ModelFamily):
     def num_deepstack(self) -> int:
         return len((self.hf_config.get("vision_config") or {}).get("deepstack_visual_indexes") or [])
 
-    def fix_model(self, model) -> None:
-        """mlx-vlm 0.7.10's Qwen3-VL-MoE tower swaps its two GELUs (mergers exact, block MLPs per hidden_act);
-        the block MLPs are padded to the GEMM tile."""
+    def correct_model(self, model) -> None:
+        """mlx-vlm 0.7.10's Qwen3-VL-MoE tower swaps its two GELUs (mergers exact, block MLPs per hidden_act)."""
         tower = model.vision_tower
         act = (self.hf_config.get("vision_config") or {}).get("hidden_act", "gelu_pytorch_tanh")
         block_gelu = nn.GELU(approx="tanh") if "tanh" in act else nn.GELU()
@@ -93,7 +92,9 @@ class Qwen3VLFamily(ModelFamily):
             merger.act_fn = nn.GELU()
         for block in tower.blocks:
             block.mlp.act_fn = block_gelu
-        pad_plain_mlps(tower.blocks)   # GEMM-friendly widths (vision_mlp.py)
+
+    def tune_model(self, model) -> None:
+        pad_plain_mlps(model.vision_tower.blocks)   # GEMM-friendly widths (vision_mlp.py)
 
     def video_prompt(self, prompts, question, options, plan) -> VideoPrompt:
         tok = prompts.tokenizer
