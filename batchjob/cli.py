@@ -1,6 +1,7 @@
 """`batchjob`: run, validate and report nightly video-classification jobs.
 
-Exit codes are for cron and CI: 0 done, 1 runtime failure or too many error rows, 2 bad config.
+Exit codes are for cron and CI: 0 done; 1 runtime failure, too many error rows, or another run holds the
+output (rerunning later can help); 2 bad config or a damaged output (fix it first: the message says how).
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 NO_PRELOAD_ENV = "BATCHJOB_NO_OPENBLAS"
 
 
-def _bad_config(message: str) -> typer.Exit:
-    err.print(f"[bold red]config error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+def _bad_config(message: str, label: str = "config error") -> typer.Exit:
+    err.print(f"[bold red]{label}:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
@@ -33,6 +34,13 @@ def _summary_table(stats, summary: dict | None) -> Table:
     t = Table(title="batchjob run", show_header=False)
     t.add_row("rows (dataset)", str(stats.total_rows))
     t.add_row("skipped (already done)", str(stats.skipped_rows))
+    for label, n in (("answered again (question edited)", stats.edited_rows),
+                     ("re-scored (answer key edited)", stats.rescored_rows),
+                     ("error rows retried", stats.retried_rows)):
+        if n:
+            t.add_row(label, str(n))
+    if stats.repaired_parts:
+        t.add_row("damaged parts moved to _damaged/", ", ".join(stats.repaired_parts))
     t.add_row("answered this run", str(stats.done_rows))
     t.add_row("error rows this run", str(stats.error_rows))
     t.add_row("rows/s (whole run)", f"{stats.rows_per_s:.2f}")
@@ -44,6 +52,15 @@ def _summary_table(stats, summary: dict | None) -> Table:
     if stats.engine_runtime:
         rt = stats.engine_runtime
         t.add_row("engine", f"{rt.get('device')} {rt.get('dtype')}, attention {rt.get('attention_backend')}")
+    if stats.memory:
+        m = stats.memory
+        t.add_row("memory budget", f"{m['budget_gb']:g} GiB ({m['budget_source']}); {m['device']} "
+                  f"{m['device_memory_gb']:g} GiB, weights {m['weights_gb']:g} GiB, KV {m['kv_blocks']} blocks "
+                  f"({m['kv_gb']:g} GiB)")
+    if stats.startup is not None and stats.startup.steps:
+        st = stats.startup
+        steps = ", ".join(f"{s.name} {s.seconds:.1f}" for s in st.steps if s.seconds >= 0.05)
+        t.add_row("start-up", f"{st.total_s:.1f} s to the first answer ({steps})")
     if len(stats.decode_nodes) > 1:
         t.add_row("decode nodes", str(len(stats.decode_nodes)))
     for label, value in _pipeline_rows(stats):
@@ -75,27 +92,40 @@ def _pipeline_rows(stats) -> list[tuple[str, str]]:
         rows.append(("decode ms/clip", f"{stats.decode_ms_per_clip:.0f} (p90 {stats.decode_ms_per_clip_p90:.0f})"))
     if stats.engine_ms_per_clip is not None:
         rows.append(("engine ms/clip", f"{stats.engine_ms_per_clip:.0f} (p90 {stats.engine_ms_per_clip_p90:.0f})"))
+    for loader, f in stats.fetched.items():
+        share = f" ({f['file_fraction']:.1%} of each file, median)" if f.get("file_fraction") is not None else ""
+        rows.append(("fetched per clip", f"{f['mb_per_clip']:.2f} MB median, p90 {f['mb_per_clip_p90']:.2f} MB{share}, "
+                     f"{loader}; {f['clips']:.0f} remote clips, {f['total_mb']:.1f} MB, {f['retries']:.0f} retried requests"))
     if stats.bound_by:
         rows.append(("bound by", stats.bound_by))
     if stats.peak_rss_mb:
         rows.append(("driver peak memory", f"{stats.peak_rss_mb:.0f} MB"))
+    decoders = stats.actor_peak_rss_mb.get("decoders") or []
+    if stats.host_peak_mb is not None and decoders:
+        rows.append(("host peak memory", f"{stats.host_peak_mb:.0f} MB over the job's processes (decoders "
+                     f"{min(decoders):.0f}-{max(decoders):.0f} MB each)"))
     return rows
 
 
 def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool, ray_address: str | None,
-         quiet: bool = False, stats_json: Path | None = None, retry_errors: bool = False,
+         quiet: bool = False, stats_json: Path | None = None, retry_errors: bool = False, repair: bool = False,
          date: str | None = None) -> None:
     from batchjob.config import ConfigError, load_config
     from batchjob.pipeline.driver import NoEngineLeft
-    from batchjob.pipeline.job import EngineStartError, JobTerminated, run_job
-    from batchjob.pipeline.output import OutputMismatch
+    from batchjob.pipeline.job import EngineStartError, JobTerminated, RunOptions, run_job
+    from batchjob.pipeline.output import OutputBusy, OutputDamaged, OutputMismatch
     from batchjob.pipeline.report import summarize
+    from batchjob.preflight import check_output_file
 
     try:
         if retry_errors and restart:
             raise ConfigError("--retry-errors re-runs the error rows of the existing output; --restart discards it")
+        if repair and restart:
+            raise ConfigError("--repair keeps the readable parts of the existing output; --restart discards it all")
         cfg = load_config(config, date=date).with_overrides(limit=limit, output=str(output) if output else None,
                                                  ray_address=ray_address)
+        if stats_json:
+            check_output_file(stats_json, "--stats-json")
     except ConfigError as e:
         raise _bad_config(str(e))
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -110,11 +140,18 @@ def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool,
         progress.update(task, completed=s.done_rows, errors=s.error_rows,
                         rate=s.done_rows / s.stream_s if s.stream_s else 0.0)
 
+    options = RunOptions(restart=restart, retry_errors=retry_errors, repair=repair,
+                         output_key="--output" if output else None)
     try:
         with progress:
-            stats = run_job(cfg, restart=restart, retry_errors=retry_errors, on_start=on_start, on_progress=on_progress)
+            stats = run_job(cfg, options, on_start=on_start, on_progress=on_progress)
     except (ConfigError, OutputMismatch) as e:
         raise _bad_config(str(e))
+    except OutputDamaged as e:
+        raise _bad_config(str(e), "damaged output")
+    except OutputBusy as e:
+        err.print(f"[bold red]busy:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
     except (EngineStartError, NoEngineLeft) as e:
         err.print(f"[bold red]engine error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
@@ -128,6 +165,9 @@ def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool,
     try:
         summary = summarize(cfg.output.directory)
     except FileNotFoundError:
+        summary = None
+    except OutputDamaged as e:      # damaged while this run wrote (the parts were verified at its start)
+        err.print(f"[bold red]damaged output:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         summary = None
     if not quiet:
         out.print(_summary_table(stats, summary))
@@ -149,26 +189,45 @@ def run(config: Path = typer.Argument(..., help="job config YAML"),
         quiet: bool = typer.Option(False, help="no progress bar or summary"),
         stats_json: Optional[Path] = typer.Option(None, help="also write this run's statistics (rows, errors, "
                                                              "stage busy times) to this JSON file"),
-        retry_errors: bool = typer.Option(False, "--retry-errors", help="re-run only the rows that are error rows in "
-                                          "the output and replace them in place"),
+        retry_errors: bool = typer.Option(False, "--retry-errors/--no-retry-errors", help="re-run only the rows "
+                                          "that are error rows in the output and replace them in place"),
+        repair: bool = typer.Option(False, "--repair", help="move damaged part files to OUTPUT/_damaged/ and answer "
+                                    "their rows again (the other rows are kept)"),
         date: Optional[str] = typer.Option(None, help="the night (YYYY-MM-DD) for {date} in output.directory; "
                                            "default today, UTC")) -> None:
-    """Run a job, or resume it: rows already in the output are skipped."""
+    """Run a job, or resume it: rows already in the output are skipped; rows whose question or options were
+    edited are answered again, rows whose answer key was edited are re-scored."""
     _run(config, limit=limit, output=output, restart=restart, ray_address=ray_address, quiet=quiet,
-         stats_json=stats_json, retry_errors=retry_errors, date=date)
+         stats_json=stats_json, retry_errors=retry_errors, repair=repair, date=date)
 
 
 @app.command()
-def validate(config: Path = typer.Argument(..., help="job config YAML")) -> None:
-    """Check a config and its inputs without running anything (exit 2 when something is wrong)."""
+def validate(config: Path = typer.Argument(..., help="job config YAML"),
+             date: Optional[str] = typer.Option(None, help="the night (YYYY-MM-DD) for {date} in "
+                                                "output.directory; default today, UTC")) -> None:
+    """Check a config, its inputs, its clips and its existing output without running anything (exit 2 when
+    the run would refuse or fail)."""
     from batchjob.config import ConfigError, load_config
-    from batchjob.pipeline.job import preflight
+    from batchjob.preflight import error_budget_problem, missing_clips, output_problems, preflight
 
     try:
-        cfg = load_config(config)
+        cfg = load_config(config, date=date)
         rows = preflight(cfg)
     except ConfigError as e:
         raise _bad_config(str(e))
+    missing = missing_clips(rows)
+    problems = output_problems(cfg)
+    if missing.all_missing:
+        problems.append(f"none of the clips exists ({missing.describe()}); check dataset.video_root and that its "
+                        "disk or share is mounted")
+    elif (budget := error_budget_problem(cfg, missing)) is not None:
+        problems.append(f"{missing.describe()}; {budget}")
+    elif missing.missing:
+        err.print(f"[yellow]warning:[/] {escape(missing.describe())} (each becomes error rows)", highlight=False)
+    for p in problems:
+        err.print(f"[bold red]error:[/] {escape(p)}", highlight=False, soft_wrap=True)
+    if problems:
+        raise typer.Exit(2)
     clips = len({r.video for r in rows})
     out.print(f"{config}: ok: job {cfg.job!r}, {len(rows)} questions on {clips} clips, "
               f"fingerprint {cfg.fingerprint()}, output {cfg.output.directory}", highlight=False)
@@ -179,9 +238,13 @@ def report(output: Path = typer.Argument(..., help="a job's output directory (or
                                          "definition with --html"),
            as_json: bool = typer.Option(False, "--json", help="machine-readable summary"),
            html: Optional[Path] = typer.Option(None, "--html", help="for a nightly definition: write a self-contained "
-                                               "HTML report (charts over the nights, last night's tables) here")) -> None:
+                                               "HTML report (charts over the nights, last night's tables) here"),
+           date: Optional[str] = typer.Option(None, help="with a config whose output.directory holds {date}: that "
+                                              "night's output (YYYY-MM-DD); default today, UTC")) -> None:
     """Accuracy overall and per category, throughput and errors, from the Parquet output alone."""
     from batchjob.config import ConfigError, load_config
+    from batchjob.nightly.definition import is_definition
+    from batchjob.pipeline.output import OutputDamaged
     from batchjob.pipeline.report import summarize
 
     if html is not None:
@@ -189,15 +252,16 @@ def report(output: Path = typer.Argument(..., help="a job's output directory (or
 
         html_report(output, html)
         return
-    from batchjob.nightly.definition import is_definition
-
-    if output.is_file() and is_definition(output):
+    is_config = output.is_file()
+    if is_config and is_definition(output):
         raise _bad_config(f"{output} is a nightly definition: use `batchjob report {output} --html OUT.html`, "
                           f"`batchjob history {output}` or `batchjob diff --last {output}`")
-
-    if output.is_file() and output.suffix in (".yaml", ".yml"):
+    if date is not None and not is_config:
+        raise _bad_config(f"--date picks the night of a config's {{date}} output; {output} is not a config file "
+                          "(give the output directory of that night instead)")
+    if is_config:
         try:
-            output = Path(load_config(output).output.directory)
+            output = Path(load_config(output, date=date).output.directory)
         except ConfigError as e:
             raise _bad_config(str(e))
     try:
@@ -205,6 +269,8 @@ def report(output: Path = typer.Argument(..., help="a job's output directory (or
     except FileNotFoundError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(2)
+    except OutputDamaged as e:
+        raise _bad_config(str(e), "damaged output")
     if as_json:
         print(json.dumps(s, indent=2))
         return
@@ -224,12 +290,15 @@ def report(output: Path = typer.Argument(..., help="a job's output directory (or
 
 @app.command()
 def loaders() -> None:
-    """List the video loaders a config can name in `loader.name`."""
+    """List the video loaders a config can name in `loader.name`, and the `loader.kwargs` each reads."""
     from batchjob.loaders import get_loader, list_loaders
+    from batchjob.loaders.registry import describe_loader
 
     for name in list_loaders():
-        doc = (get_loader(name).__doc__ or "").strip().splitlines()
-        out.print(f"[bold]{name}[/]  {doc[0] if doc else ''}", highlight=False)
+        loader = get_loader(name)
+        out.print(f"[bold]{name}[/]  {escape(describe_loader(loader))}", highlight=False)
+        for key, option in sorted((getattr(loader, "options", None) or {}).items()):
+            out.print(f"    loader.kwargs.{key} ({option.kind.__name__}): {escape(option.help)}", highlight=False)
 
 
 @app.command()

@@ -10,13 +10,20 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import string
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from batchjob.contract import MAX_OPTIONS
+from batchjob.location import LocationError, check_supported, is_url, local_path, redact, scheme
+from batchjob.yamlfile import YamlFileError, read_yaml
+
+# The most options a question may have: five single-token labels (A-E) is what the engines' prompts and
+# option-token readout are built and tested for.
+MAX_OPTIONS = 5
+# What a prompt template may name: the engines format it with exactly these.
+TEMPLATE_FIELDS = ("question", "options")
 
 
 class ConfigError(Exception):
@@ -39,7 +46,18 @@ class _Section(BaseModel):
 class DatasetConfig(_Section):
     adapter: Literal["nextqa", "mvbench", "manifest"]
     annotation: str = Field(description="NExTQA MC csv/parquet, MVBench json file or directory, manifest jsonl/csv")
-    video_root: str | None = Field(None, description="directory the annotation's video names are relative to")
+    video_root: str | None = Field(None, description="directory or URL prefix (s3://, gs://, az://, https://, "
+                                   "file://) the annotation's video names are relative to")
+
+    @field_validator("video_root")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                check_supported(v)
+            except LocationError as err:
+                raise ValueError(str(err)) from None
+        return v
     limit: int | None = Field(None, ge=1, description="only the first N questions (smoke runs)")
     options: dict[str, Any] = Field(default_factory=dict, description="adapter-specific settings")
 
@@ -63,9 +81,15 @@ class ModelConfig(_Section):
     device: Literal["auto", "cpu", "gpu"] = Field("auto", description="auto = Metal or CUDA GPU when MLX sees one")
     min_pixels: int | None = Field(None, ge=1)
     max_pixels: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=16)
+    max_num_batched_tokens: Literal["auto"] | Annotated[int, Field(ge=16)] = Field(
+        "auto", description="tokens per forward pass (packing budget); auto = from the model and the device's "
+        "memory (8192 on a CPU, up to 32768 on a GPU)")
     max_model_len: int = Field(32768, ge=16)
-    memory_budget_gb: Float | None = Field(None, gt=0)
+    memory_budget_gb: Float | None = Field(None, gt=0, description="null = sized from the engine's device")
+    host_reserved_gb: Float | None = Field(
+        None, ge=0, description="memory the job's other processes hold beside the engine (decoders, Ray's object "
+        "store), taken off the budget where they share the device's memory (Apple silicon, CPU); null = "
+        "estimated from the runtime section")
     temporal_step: Literal["nominal", "actual"] = Field(
         "nominal", description="video frame rate behind the temporal position step: nominal = n / total_frames * "
         "fps (the convention the model was trained with, as transformers and vLLM compute it); actual = the mean "
@@ -83,6 +107,9 @@ class ModelConfig(_Section):
         if self.vllm is not None and self.engine != "vllm":
             raise ValueError(f"model.vllm is read only by engine: vllm, but engine is {self.engine!r}; "
                              "remove it or set engine: vllm")
+        if self.engine == "vllm" and self.host_reserved_gb is not None:
+            raise ValueError("host_reserved_gb is read only by engine: mlx; with engine: vllm set "
+                             "vllm.gpu_memory_utilization")
         if self.engine == "vllm" and self.memory_budget_gb is not None:
             raise ValueError("memory_budget_gb is read only by engine: mlx; with engine: vllm set "
                              "vllm.gpu_memory_utilization")
@@ -105,9 +132,7 @@ class PromptConfig(_Section):
     @classmethod
     def _has_placeholders(cls, v: str | None) -> str | None:
         if v is not None:
-            missing = [p for p in ("{question}", "{options}") if p not in v]
-            if missing:
-                raise ValueError(f"template must contain {' and '.join(missing)}")
+            template_problem(v)
         return v
 
     @field_validator("option_labels")
@@ -116,6 +141,45 @@ class PromptConfig(_Section):
         if len(set(v)) != len(v) or any(not s.strip() for s in v):
             raise ValueError(f"option labels must be distinct and non-empty, got {v}")
         return v
+
+
+class RemoteConfig(_Section):
+    """How clips named by URLs are read (`runtime.remote:`); credentials are never set here (see README)."""
+    attempts: int = Field(4, ge=1, le=20, description="tries per request for timeouts, 5xx and dropped connections")
+    request_timeout_s: Float = Field(20.0, gt=0, description="one request, connection to last byte")
+    read_ahead_kb: int = Field(64, ge=4, description="bytes fetched after a seek (the keyframe loaders' reads)")
+    max_read_ahead_mb: Float = Field(4.0, gt=0, description="read-ahead grows to this while reads are sequential")
+    download_cache_mb: Float = Field(4096.0, gt=0, description="local copies for loaders that need a file "
+                                     "(opencv), per decoder process; removed when it exits")
+
+    @model_validator(mode="after")
+    def _read_ahead_grows(self) -> "RemoteConfig":
+        if self.read_ahead_kb * 1024 > self.max_read_ahead_mb * 1024 * 1024:
+            raise ValueError(f"read_ahead_kb ({self.read_ahead_kb}) must not exceed max_read_ahead_mb "
+                             f"({self.max_read_ahead_mb:g})")
+        return self
+
+
+def template_problem(template: str) -> None:
+    """Raise ValueError unless `template.format(question=..., options=...)` works for every row: an unknown
+    placeholder would otherwise fail every row of the job with a KeyError, after the decoding was paid for."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as err:    # a lone brace
+        raise ValueError(f"template is not a valid format string ({err}); write {{{{ and }}}} for literal "
+                         "braces") from None
+    unknown = sorted({f for f in fields if re.split(r"[.\[]", f, maxsplit=1)[0] not in TEMPLATE_FIELDS})
+    if unknown:
+        raise ValueError(f"template: unknown placeholder(s) {', '.join('{' + f + '}' for f in unknown)}; the "
+                         "placeholders are {question} and {options} (write {{ and }} for literal braces)")
+    missing = [f"{{{p}}}" for p in TEMPLATE_FIELDS if p not in fields]
+    if missing:
+        raise ValueError(f"template must contain {' and '.join(missing)}")
+    try:
+        template.format(question="q", options="A. o")
+    except (KeyError, IndexError, AttributeError, ValueError, TypeError) as err:
+        raise ValueError(f"template cannot be filled in ({type(err).__name__}: {err}); use plain {{question}} "
+                         "and {options}") from None
 
 
 class RuntimeConfig(_Section):
@@ -134,6 +198,7 @@ class RuntimeConfig(_Section):
     decode_timeout_s: Float = Field(120.0, gt=0, description="a decode taking longer costs the clip an error row")
     ray_address: str | None = Field(None, description="join this Ray cluster; None = private local Ray on 127.0.0.1")
     max_error_fraction: Float = Field(0.05, ge=0, le=1, description="exit 1 when more rows than this fail")
+    remote: RemoteConfig = RemoteConfig()
 
 
 class OutputConfig(_Section):
@@ -192,16 +257,30 @@ def _resolve(base: Path, value: str) -> str:
     return str((base / Path(value).expanduser()).resolve())
 
 
+def _resolve_root(base: Path, value: str | None) -> str | None:
+    """A URL stays as written (file:// becomes its path); a path resolves against the config's directory."""
+    if value is None:
+        return None
+    if is_url(value):
+        try:
+            return local_path(value) if scheme(value) == "file" else value
+        except ValueError as err:
+            raise ConfigError(f"dataset.video_root: {err}") from None
+    return _resolve(base, value)
+
+
 def _format_validation(path: Path, err: ValidationError) -> str:
     lines = [f"{path}: invalid job config:"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"]
+        msg = re.sub(r"^Value error, ", "", e["msg"])
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check spelling; see configs/nextqa.yaml for every key)"
         elif e["type"] == "missing":
             msg = "required key is missing"
-        lines.append(f"  {key}: {msg} (got {e.get('input')!r})" if e["type"] != "missing" else f"  {key}: {msg}")
+        got = e.get("input")
+        got = redact(got) if is_url(got) else got   # never echo a secret written into a URL
+        lines.append(f"  {key}: {msg} (got {got!r})" if e["type"] != "missing" else f"  {key}: {msg}")
     return "\n".join(lines)
 
 
@@ -243,7 +322,7 @@ def parse_config(raw: Any, path: Path, *, date: str | None = None) -> JobConfig:
     base = path.parent
     ds = cfg.dataset.model_copy(update={
         "annotation": _resolve(base, cfg.dataset.annotation),
-        "video_root": _resolve(base, cfg.dataset.video_root) if cfg.dataset.video_root else None,
+        "video_root": _resolve_root(base, cfg.dataset.video_root),
     })
     ckpt = cfg.model.checkpoint
     local = base / Path(ckpt).expanduser()
@@ -267,31 +346,8 @@ def load_config(path: str | Path, *, date: str | None = None) -> JobConfig:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raw = read_yaml(path, "job config")
+    except YamlFileError as err:
+        raise ConfigError(str(err)) from None
     return parse_config(raw, path, date=date)
 
-
-def check_paths(cfg: JobConfig) -> None:
-    """Every input the job reads must exist before Ray starts; the message says how to get it."""
-    where = cfg.source or "config"
-    ds = cfg.dataset
-    fetch = {"nextqa": " (prepare it with scripts/prepare_nextqa.py)",
-             "mvbench": " (prepare it with scripts/prepare_mvbench.py)",
-             "manifest": " (a JSONL/CSV manifest: id, video, question, options[, answer, category]; "
-                         "configs/demo.yaml is meant for `batchjob demo`, which builds its files)"}[ds.adapter]
-    if not Path(ds.annotation).exists():
-        raise ConfigError(f"{where}: dataset.annotation: file not found: {ds.annotation}{fetch}")
-    if ds.video_root and not Path(ds.video_root).is_dir():
-        raise ConfigError(f"{where}: dataset.video_root: directory not found: {ds.video_root}{fetch}")
-    ckpt = cfg.model.checkpoint
-    if Path(ckpt).is_absolute() and not Path(ckpt).is_dir():
-        raise ConfigError(f"{where}: model.checkpoint: directory not found: {ckpt} "
-                          "(a local Hugging Face checkpoint directory, or a hub id such as Qwen/Qwen2.5-VL-7B-Instruct)")
-    if cfg.model.engine == "mlx" and Path(ckpt).is_absolute() and not (Path(ckpt) / "config.json").is_file():
-        raise ConfigError(f"{where}: model.checkpoint: {ckpt} has no config.json; point it at a Hugging Face "
-                          "checkpoint directory (the one holding config.json and *.safetensors)")
-    out = Path(cfg.output.directory)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{where}: output.directory: exists and is not a directory: {out}")

@@ -10,12 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # annotations only: the config schema never imports this module, so imports flow one way
     from batchjob.config import ModelConfig, PromptConfig
-
-# The most options a question may have: five single-token labels (A-E) is what the engines' prompts and
-# option-token readout are built and tested for.
-MAX_OPTIONS = 5
 
 # vLLM's video metadata keys (its `VideoMetadata` accepts nothing else); our loaders' other keys travel in
 # `ClipMetadata.extra` and are never handed to vLLM.
@@ -133,11 +129,20 @@ class BatchAnswers:
 
 
 @dataclass(frozen=True)
+class StartupStep:
+    """One step of a start-up, in the order it ran: steps of one list follow each other, so they add up."""
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class EngineDescription:
-    """Who answered, for the output's metadata: engine name, model id and the settings that shaped answers."""
+    """Who answered, for the output's metadata: engine name, model id and the settings that shaped answers.
+    `startup` is the engine's load, step by step (empty when the engine does not say)."""
     engine: str
     model_id: str
     details: Mapping[str, Any] = field(default_factory=dict)
+    startup: tuple[StartupStep, ...] = ()
 
 
 @runtime_checkable
@@ -190,6 +195,12 @@ class EngineBase:
 
     @classmethod
     def check(cls, model: "ModelConfig", prompt: "PromptConfig") -> None:
+        return None
+
+    @classmethod
+    def check_local(cls, model: "ModelConfig") -> None:
+        """Before anything starts, when the engines will run on this machine (no cluster): raise ConfigError
+        for settings this machine's devices cannot hold."""
         return None
 
     def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:

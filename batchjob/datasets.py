@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from batchjob.config import ConfigError, DatasetConfig
+from batchjob.location import LocationError, check_supported, is_url, join, local_path, scheme
 
 
 class DatasetError(ConfigError):
@@ -23,7 +24,7 @@ class DatasetError(ConfigError):
 @dataclass(frozen=True)
 class Row:
     row_id: str
-    video: str                   # absolute path of the clip
+    video: str                   # absolute path or URL of the clip
     question: str
     options: tuple[str, ...]
     answer: int | None = None    # index into options, when the benchmark knows it
@@ -50,20 +51,43 @@ def _read_table(path: Path) -> list[dict[str, Any]]:
         raise DatasetError(f"{path}: cannot read as {'parquet' if path.suffix == '.parquet' else 'CSV'}: {err}") from None
 
 
+def _root(video_root: str | None, default: Path) -> Path | str:
+    """The configured video root (a URL stays a string), else the annotation's folder."""
+    if not video_root:
+        return default
+    return video_root if is_url(video_root) else Path(video_root)
+
+
 def _need(rec: dict[str, Any], keys: Iterable[str], where: str) -> None:
     missing = [k for k in keys if k not in rec or rec[k] is None]
     if missing:
         raise DatasetError(f"{where}: missing field(s) {', '.join(missing)}")
 
 
-class _VideoIndex:
-    """Finds `<name>` under a root: directly, else by a one-time recursive scan (datasets nest clips in subfolders)."""
+def _video(root: str | Path, name: str, where: str) -> str:
+    """The clip `name` under `root` (a directory or URL prefix); a name that is a URL or absolute path stands
+    alone. A URL carrying credentials is refused: rows are written to the output with their video."""
+    try:
+        check_supported(name)
+    except LocationError as err:
+        raise DatasetError(f"{where}: video {err}") from None
+    if scheme(name) == "file":
+        return local_path(name)
+    return join(str(root), name)
 
-    def __init__(self, root: Path):
+
+class _VideoIndex:
+    """Finds `<name>` under a root: directly, else by a one-time recursive scan (datasets nest clips in subfolders).
+    Under a URL prefix the name is joined directly: listing a bucket to look for it would cost more than a
+    missing clip's error row."""
+
+    def __init__(self, root: Path | str):
         self.root = root
         self._by_name: dict[str, Path] | None = None
 
-    def find(self, name: str) -> Path:
+    def find(self, name: str) -> Path | str:
+        if is_url(self.root) or is_url(name):
+            return _video(self.root, name, str(self.root))
         direct = self.root / name
         if direct.exists():
             return direct
@@ -75,7 +99,7 @@ class _VideoIndex:
 def load_nextqa(cfg: DatasetConfig) -> list[Row]:
     """lmms-lab/NExTQA `MC` split: video, qid, type, question, a0..a4, answer (index)."""
     path = Path(cfg.annotation)
-    root = Path(cfg.video_root) if cfg.video_root else path.parent
+    root = _root(cfg.video_root, path.parent)
     index = _VideoIndex(root)
     ext = cfg.options.get("video_ext", ".mp4")
     rows = []
@@ -109,18 +133,18 @@ def load_mvbench(cfg: DatasetConfig) -> list[Row]:
     files = sorted(path.glob("*.json")) if path.is_dir() else [path]
     if not files:
         raise DatasetError(f"{path}: no MVBench *.json files in this directory")
-    root = Path(cfg.video_root) if cfg.video_root else path if path.is_dir() else path.parent
+    root = _root(cfg.video_root, path if path.is_dir() else path.parent)
     video_dirs = cfg.options.get("video_dirs", {})
     rows = []
     for f in files:
         try:
             items = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, ValueError) as err:     # ValueError: JSON syntax, or not UTF-8 text at all
             raise DatasetError(f"{f}: not a readable JSON file: {err}") from None
         if not isinstance(items, list):
             raise DatasetError(f"{f}: expected a JSON list of questions, got {type(items).__name__}")
         task = f.stem
-        index = _VideoIndex(root / video_dirs.get(task, task))
+        index = _VideoIndex(join(root, video_dirs.get(task, task)) if is_url(root) else root / video_dirs.get(task, task))
         for i, rec in enumerate(items):
             where = f"{f}: item {i}"
             if not isinstance(rec, dict):
@@ -160,7 +184,7 @@ def load_manifest(cfg: DatasetConfig) -> list[Row]:
     In CSV, `options` is a JSON array or a `|`-separated string.
     """
     path = Path(cfg.annotation)
-    root = Path(cfg.video_root) if cfg.video_root else path.parent
+    root = _root(cfg.video_root, path.parent)
     records: list[tuple[str, dict[str, Any]]] = []
     try:
         if path.suffix.lower() in (".jsonl", ".json"):
@@ -173,8 +197,8 @@ def load_manifest(cfg: DatasetConfig) -> list[Row]:
         else:
             with path.open(newline="") as fh:
                 records = [(f"{path}: row {n}", rec) for n, rec in enumerate(csv.DictReader(fh), 2)]
-    except OSError as err:
-        raise DatasetError(f"{path}: cannot read manifest: {err}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DatasetError(f"{path}: cannot read manifest (a JSONL or CSV text file): {err}") from None
     rows = []
     for where, rec in records:
         if not isinstance(rec, dict):
@@ -190,7 +214,7 @@ def load_manifest(cfg: DatasetConfig) -> list[Row]:
             raise DatasetError(f"{where}: options must be a list of at least 2 strings, got {rec['options']!r}")
         options = tuple(str(o).strip() for o in opts)
         cat = rec.get("category")
-        rows.append(Row(row_id=str(rec["id"]), video=str(root / str(rec["video"])),
+        rows.append(Row(row_id=str(rec["id"]), video=_video(root, str(rec["video"]), where),
                         question=str(rec["question"]).strip(), options=options,
                         answer=_manifest_answer(rec.get("answer"), options, where),
                         category=str(cat) if cat not in (None, "") else None))

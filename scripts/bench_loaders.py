@@ -38,15 +38,17 @@ METHODS = {
 }
 
 
-def time_rounds(clips: dict[str, str], num_frames: int, runs: int) -> dict[str, dict[str, float]]:
+def time_rounds(clips: dict[str, str], num_frames: int, runs: int,
+                methods: dict | None = None) -> dict[str, dict[str, float]]:
     """Median ms per (clip, method). Methods take turns within each round, so a load spike from another
     process on a shared machine hits all of them alike instead of skewing one method's runs."""
-    samples: dict[str, dict[str, list[float]]] = {clip: {m: [] for m in METHODS} for clip in clips}
+    methods = METHODS if methods is None else methods
+    samples: dict[str, dict[str, list[float]]] = {clip: {m: [] for m in methods} for clip in clips}
     for clip, path in clips.items():
-        for fn in METHODS.values():
+        for fn in methods.values():
             fn(path, num_frames)  # warm-up: page cache, codec init
         for _ in range(runs):
-            for method, fn in METHODS.items():
+            for method, fn in methods.items():
                 start = time.perf_counter()
                 fn(path, num_frames)
                 samples[clip][method].append((time.perf_counter() - start) * 1000)

@@ -28,7 +28,7 @@ fi
 pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 # torch first and pinned: any other torch request downloads a multi-GB CUDA build.
 pip_install "torch==2.13.0"
-EXTRAS="mlx,ray,opencv,report,test"
+EXTRAS="mlx,ray,opencv,report,remote,s3,test"
 [[ "$(uname -s)" == Linux ]] && EXTRAS="$EXTRAS,mlx-cpu"
 pip_install -e "$ROOT[$EXTRAS]"
 # mlx-vlm's own dependency list drags in a web server, audio and OpenCV GUI builds;

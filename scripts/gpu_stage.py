@@ -15,6 +15,7 @@ serving, data, LLMs and RL, tests, type stubs, Cython headers), strip the native
 checkout, against the 64 MiB a call may carry.
 
     python3 scripts/gpu_stage.py                          # cp312 for the GPU machine -> .gpu/pipeline
+    python3 scripts/gpu_stage.py --what mlx               # MLX CUDA (sm_90 only) + mlx-vlm -> .gpu/whl
     python3 scripts/gpu_stage.py --python-version 3.11 --out /tmp/stage311 --keep-site   # local check
 """
 from __future__ import annotations
@@ -43,22 +44,27 @@ WHEELS = (
 # ray.init + actors + ray.wait + ray.kill across the driver, workers and Ray's own agents).
 RAY_UNUSED = ("jars", "rllib", "tune", "train", "serve", "data", "llm", "workflow", "dashboard/client",
               "util/spark", "util/dask", "util/joblib", "util/collective", "util/multiprocessing")
-PLATFORMS = ("--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-             "--platform", "manylinux2014_x86_64")
+# pip matches manylinux tags exactly: MLX's Linux wheels exist only as manylinux_2_35.
+PLATFORMS = ("--platform", "manylinux_2_35_x86_64", "--platform", "manylinux_2_28_x86_64",
+             "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64")
+# MLX's CUDA build and the model definitions: the second archive (`.gpu/whl`), its libmlx.so cut to one GPU
+# architecture by shared/tools/slim_mlx_cuda.py (the wheel carries cubins for six).
+MLX_WHEELS = ("mlx==0.32.4", "mlx-cuda-13==0.32.4", "mlx-vlm==0.7.10")
+SLIM_TOOL = ROOT.parent / "shared" / "tools" / "slim_mlx_cuda.py"
 DROP_SUFFIXES = (".pyi", ".pxd", ".pyx", ".pyc", ".h", ".hpp", ".cpp", ".c", ".cu", ".java")
 
 
-def download(wheels_dir: Path, python_version: str) -> list[Path]:
+def download(wheels_dir: Path, python_version: str, wanted: tuple[str, ...] = WHEELS) -> list[Path]:
     wheels_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
            "--python-version", python_version, "--implementation", "cp",
-           *PLATFORMS, "-d", str(wheels_dir), *WHEELS]
+           *PLATFORMS, "-d", str(wheels_dir), *wanted]
     subprocess.run(cmd, check=True)
     tag = "cp" + python_version.replace(".", "")
     wheels = sorted(p for p in wheels_dir.glob("*.whl")
-                    if "-none-any" in p.name or "-abi3-" in p.name or f"-{tag}-" in p.name)
+                    if "-none-" in p.name or "-abi3-" in p.name or f"-{tag}-" in p.name)
     names = {p.name.split("-")[0].lower().replace("_", "-") for p in wheels}
-    missing = [w.split("==")[0] for w in WHEELS if w.split("==")[0].lower().replace("_", "-") not in names]
+    missing = [w.split("==")[0] for w in wanted if w.split("==")[0].lower().replace("_", "-") not in names]
     if missing:
         sys.exit(f"gpu_stage: no wheel for {missing} in {wheels_dir}")
     return wheels
@@ -73,12 +79,25 @@ def install(wheels: list[Path], site: Path, python_version: str) -> None:
                     *PLATFORMS, "--target", str(site), *map(str, wheels)], check=True)
 
 
+def slim_mlx(site: Path, sm: int) -> None:
+    """Keep one GPU architecture's cubins in libmlx.so (the rest of the fat binary zeroed), then strip it."""
+    if not SLIM_TOOL.is_file():
+        sys.exit(f"gpu_stage: {SLIM_TOOL} not found (the shared tools folder beside the checkout)")
+    lib = site / "mlx" / "lib" / "libmlx.so"
+    tmp = lib.with_name("libmlx.slim.so")
+    subprocess.run([sys.executable, str(SLIM_TOOL), str(lib), str(tmp), str(sm)], check=True)
+    tmp.replace(lib)
+
+
 def is_elf(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"\x7fELF"
 
 
-def slim(site: Path) -> None:
+def slim(site: Path, keep_headers: bool = False) -> None:
+    """Drop what never runs; `keep_headers` for MLX, whose CUDA backend compiles kernels at run time against
+    the headers it ships (include/cccl)."""
+    drop = tuple(s for s in DROP_SUFFIXES if not keep_headers or s not in (".h", ".hpp", ".cuh", ".cu"))
     for sub in RAY_UNUSED:
         shutil.rmtree(site / "ray" / sub, ignore_errors=True)
     shutil.rmtree(site / "bin", ignore_errors=True)   # console scripts: we call python -m
@@ -87,7 +106,7 @@ def slim(site: Path) -> None:
             if path.name in ("tests", "__pycache__") or (path.name == "test" and path.parent.name != "site"):
                 shutil.rmtree(path, ignore_errors=True)
             continue
-        if path.suffix in DROP_SUFFIXES or path.name in ("RECORD", "INSTALLER", "REQUESTED"):
+        if path.suffix in drop or path.name in ("RECORD", "INSTALLER", "REQUESTED"):
             path.unlink()
         elif not path.is_symlink() and is_elf(path):
             subprocess.run(["strip", "--strip-unneeded", str(path)], check=True)
@@ -104,7 +123,10 @@ def carried_bytes(exclude: Path) -> tuple[int, list[tuple[Path, int]]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python-version", default="3.12", help="the GPU machine's Python (3.12)")
-    ap.add_argument("--out", type=Path, default=ROOT / ".gpu" / "pipeline", help="folder for site.tar.xz")
+    ap.add_argument("--what", choices=("pipeline", "mlx"), default="pipeline",
+                    help="pipeline: Ray, PyAV, pydantic... (.gpu/pipeline); mlx: MLX CUDA + mlx-vlm (.gpu/whl)")
+    ap.add_argument("--sm", type=int, default=90, help="with --what mlx: the GPU architecture kept (90 = H100/H200)")
+    ap.add_argument("--out", type=Path, default=None, help="folder for site.tar.xz (default .gpu/<pipeline|whl>)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-stage"), help="scratch folder (wheels, site)")
     ap.add_argument("--keep-site", action="store_true", help="leave the slimmed site in <work>/site-<py>")
     ap.add_argument("--site-only", action="store_true", help="stop after slimming (a local check of the site)")
@@ -112,11 +134,15 @@ def main() -> None:
     if not shutil.which("strip"):
         sys.exit("gpu_stage: `strip` (binutils) is needed to shrink the native libraries")
     tag = "cp" + args.python_version.replace(".", "")
-    wheels = download(args.work / "wheels", args.python_version)
-    site = args.work / f"site-{tag}"
+    args.out = args.out or ROOT / ".gpu" / ("whl" if args.what == "mlx" else "pipeline")
+    wanted = MLX_WHEELS if args.what == "mlx" else WHEELS
+    wheels = download(args.work / f"wheels-{args.what}", args.python_version, wanted)
+    site = args.work / f"site-{args.what}-{tag}"
     install(wheels, site, args.python_version)
     before = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
-    slim(site)
+    if args.what == "mlx":
+        slim_mlx(site, args.sm)
+    slim(site, keep_headers=args.what == "mlx")
     after = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
     if args.site_only:
         print(f"{len(wheels)} wheels for {tag}: installed {before / 2**20:.0f} MiB, slimmed {after / 2**20:.0f} MiB "

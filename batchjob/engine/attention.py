@@ -9,7 +9,6 @@ context is set the wrapper delegates to the original module, so the model still 
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -18,6 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from batchjob.metal_backend import AttentionMetadata, KVCache, write_kv
+
+from .fused_ops import rotate_half_rope
 
 AttentionFn = Callable[..., mx.array]  # (q, k_cache, v_cache, meta, scale, *, new_kv=None) -> [T, Hq, D]
 
@@ -51,8 +52,6 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.inner = inner
         self.layer_index = layer_index
-        # The rotary application lives next to the attention class in mlx-vlm (its layout differs per family).
-        self._apply_rope = sys.modules[type(inner).__module__].apply_multimodal_rotary_pos_emb
 
     @property
     def rotary_emb(self):
@@ -68,17 +67,21 @@ class PagedAttention(nn.Module):
             raise ValueError("paged attention needs precomputed M-RoPE (cos, sin); the engine's forward passes them")
         inner = self.inner
         _, num_tokens, _ = x.shape  # the packed batch is one row: [1, T, hidden]
-        q = inner.q_proj(x).reshape(1, num_tokens, inner.n_heads, inner.head_dim)
-        k = inner.k_proj(x).reshape(1, num_tokens, inner.n_kv_heads, inner.head_dim)
+        hq, hkv, d = inner.n_heads, inner.n_kv_heads, inner.head_dim
+        if "qkv_proj" in inner:   # q/k/v stacked at load (lm_fusion.py): one GEMM, then views per head group
+            qkv = inner.qkv_proj(x).reshape(num_tokens, hq + 2 * hkv, d)
+            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        else:
+            q, k, v = (proj(x).reshape(num_tokens, h, d) for proj, h in
+                       ((inner.q_proj, hq), (inner.k_proj, hkv), (inner.v_proj, hkv)))
         if hasattr(inner, "q_norm"):  # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
             q, k = inner.q_norm(q), inner.k_norm(k)
-        v = inner.v_proj(x).reshape(num_tokens, inner.n_kv_heads, inner.head_dim)
-        cos, sin = position_embeddings
-        # The rotary embedding is elementwise: applied with the heads on axis 2 (cos/sin broadcast over them) it
-        # gives the same values as mlx-vlm's head-major call, in the packed token-major layout that the cache
-        # write, the kernels and SDPA's views read without a transpose copy.
-        q, k = self._apply_rope(q, k, cos, sin, 2)
-        q, k = q[0], k[0]
+        cos, sin = position_embeddings   # [1, T, D]: one row per token, broadcast over the heads (axis 1 here)
+        # The rotary embedding is elementwise: applied token-major (heads on axis 1) it gives the same values as
+        # mlx-vlm's head-major call, in the packed layout that the cache write and SDPA's views read without a
+        # transpose copy; compiled, it is one kernel for q and one for k.
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        q, k = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
         cache, layer = ctx.kv_cache, self.layer_index
         cache.k[layer], cache.v[layer] = write_kv(cache.k[layer], cache.v[layer], k, v, ctx.meta)
         # The new K/V go along: sequences with nothing cached attend to them directly (no gather from the cache).

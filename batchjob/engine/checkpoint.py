@@ -6,13 +6,18 @@ cannot read) is an EngineError naming the path and the fix: a nightly job should
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from batchjob.startup import StepClock
 
 from .device import activate, resolve_dtype, select_device
 from .families import ModelFamily, family_for, supported_model_types
@@ -70,30 +75,121 @@ def _check_files(path: Path) -> None:
         raise EngineError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json); copy them in")
 
 
-def load_checkpoint(model: str | os.PathLike, config: EngineConfig) -> LoadedCheckpoint:
-    from mlx.utils import tree_flatten
-    from mlx_vlm.utils import load_model
-    from transformers import AutoTokenizer
+def touch_on_device(model: nn.Module) -> None:
+    """Read every weight once on the GPU, so the driver moves the unified-memory pages the CPU read there now,
+    at load, instead of during the first forward pass."""
+    mx.eval([mx.sum(p) for _, p in tree_flatten(model.parameters())])
+    mx.synchronize()
 
+
+def weight_files(path: Path) -> list[Path]:
+    """The shards mlx-vlm reads: those the index names (when there is one), else every *.safetensors file."""
+    index = path / "model.safetensors.index.json"
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards if (path / s).is_file()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        files = []
+    return files or sorted(f for f in path.glob("*.safetensors") if f.name != "consolidated.safetensors")
+
+
+def read_weights(files: list[Path]) -> dict[str, dict[str, mx.array]]:
+    """Every shard read into memory on the CPU stream: MLX's CPU load reads a file with parallel readers into
+    unified memory, where the GPU load reads it tensor by tensor on one thread. Keyed by path as mlx-vlm names it."""
+    shards = {}
+    with mx.stream(mx.cpu):
+        for f in files:
+            try:
+                shards[str(f)] = mx.load(str(f))
+            except RuntimeError:     # a dtype MLX cannot read directly: mlx-vlm's loader converts it itself
+                continue
+        mx.eval([a for shard in shards.values() for a in shard.values()])
+    return shards
+
+
+class _BackgroundImports(threading.Thread):
+    """mlx-vlm and transformers (which pulls in torch where it is installed) imported while the main thread
+    reads the weights: the import is Python work and the read is MLX's, so the two overlap."""
+
+    def __init__(self):
+        super().__init__(name="engine-imports", daemon=True)
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            import mlx_vlm.utils  # noqa: F401
+            import transformers  # noqa: F401
+            from transformers import AutoTokenizer  # noqa: F401
+        except BaseException as exc:      # re-raised in the loading thread by wait()
+            self.error = exc
+
+    def wait(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+
+@contextlib.contextmanager
+def _serving_read_weights(shards: dict[str, dict[str, mx.array]]):
+    """mlx-vlm's loader handed the shards already read, by path; any other file it reads itself."""
+    import mlx_vlm.utils as vlm_utils
+
+    original = getattr(vlm_utils, "_load_safetensors", None)
+    if original is None:          # another mlx-vlm layout: it reads the files again, correct and slower
+        yield
+        return
+    vlm_utils._load_safetensors = lambda f: shards.pop(str(f), None) or original(f)
+    try:
+        yield
+    finally:
+        vlm_utils._load_safetensors = original
+
+
+def load_checkpoint(model: str | os.PathLike, config: EngineConfig, clock: StepClock | None = None) -> LoadedCheckpoint:
+    """`clock` (optional) gets one mark per load step: imports, files, device, weights, cast, tokenizer."""
+    clock = clock or StepClock()
+    clock.mark("imports")                 # MLX and the engine's own modules
+    imports = _BackgroundImports()
     path = resolve_model_dir(model)
     hf_config = _read_config(path)
     family = family_for(hf_config, path)
     _check_files(path)
     vision = family.vision_settings(config)
+    clock.mark("checkpoint_files")
     device = select_device(config.device)
     activate(device)
+    clock.mark("device_init")
     try:
-        mlx_model = load_model(path)
+        shards = read_weights(weight_files(path))
+    except Exception as exc:
+        raise EngineError(f"{path}: the weights could not be read ({type(exc).__name__}: {exc})") from exc
+    clock.mark("weights_read")
+    imports.wait()
+    clock.mark("imports_wait")            # what the weights read did not hide of mlx-vlm's and transformers' import
+    from mlx_vlm.utils import load_model
+    from transformers import AutoTokenizer
+
+    try:
+        with mx.stream(mx.cpu), _serving_read_weights(shards):
+            mlx_model = load_model(path, lazy=True)
+            mx.eval(mlx_model.parameters())
     except Exception as exc:
         raise EngineError(f"{path}: mlx-vlm could not build the model ({type(exc).__name__}: {exc})") from exc
+    del shards
+    clock.mark("model_build")
     family.fix_model(mlx_model)
     dtype = resolve_dtype(config.dtype, device)
     mlx_model.set_dtype(dtype)
     mx.eval(mlx_model.parameters())
+    if device == "cuda":
+        touch_on_device(mlx_model)
+    clock.mark("weights_to_device")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise EngineError(f"{path}: the tokenizer could not be loaded ({type(exc).__name__}: {exc})") from exc
+    clock.mark("tokenizer")
     return LoadedCheckpoint(
         model=mlx_model,
         model_type=hf_config["model_type"],

@@ -15,17 +15,20 @@ from typing import Sequence as Seq
 import mlx.core as mx
 import numpy as np
 
-from batchjob.metal_backend import (BlockPool, KVCache, KVCacheBudgetError, paged_attention, plan_num_blocks,
-                                    select_attention_backend, select_cuda_backend)
+from batchjob.metal_backend import BlockPool, KVCache, kv_bytes_per_block, paged_attention, select_attention_backend
 from batchjob.metal_backend.selection import gpu_portable_attention
+
+from batchjob.startup import StepClock
 
 from .attention import install_paged_attention
 from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .device import EngineRuntime, dtype_name
+from .memory_budget import MemoryBudgetError, MemoryPlan, plan_memory, read_device_memory
 from .preprocess import check_frames, check_prepared, plan_video, preprocess_video
 from .prompt import PromptBuilder
 from .runner import forward
 from .scheduler import Scheduler, Sequence
+from .token_budget import activation_bytes_per_token, auto_batched_tokens, language_model_shape
 from .types import ClassifyRequest, ClassifyResult, EngineConfig, EngineError
 from .video_features import VideoFeatureCache, tail_first_row
 
@@ -36,10 +39,38 @@ log = logging.getLogger(__name__)
 KV_REQUESTS_CAP = 4
 
 
-def _default_budget_bytes() -> int:
-    """Three quarters of physical memory (the rest for decoders, Ray and the OS); the KV pool is capped
-    separately (KV_REQUESTS_CAP), so this bounds what a large model may take, not what a small one does."""
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.75)
+def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_layers: int, device_memory=None
+                       ) -> tuple[MemoryPlan, int]:
+    """The budget for this engine from the device it runs on (read after the weights are resident), the KV
+    blocks it buys (the pool holds at most KV_REQUESTS_CAP maximum-size requests), and what
+    `max_num_batched_tokens: auto` means there (token_budget.py); one forward's activations at that many
+    tokens are part of what the budget must hold."""
+    lm = checkpoint.model.language_model
+    kv_shape = checkpoint.family.kv_shape(lm)   # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
+    dtype_bytes = mx.zeros((), dtype=checkpoint.dtype).itemsize
+    if device_memory is None:
+        mx.clear_cache()   # buffers freed while loading are still counted as used by the driver
+        device_memory = read_device_memory(checkpoint.device)
+    per_token = activation_bytes_per_token(**language_model_shape(lm, kv_shape), dtype_bytes=dtype_bytes)
+    auto_tokens = auto_batched_tokens(checkpoint.device, memory_bytes=device_memory.capacity_bytes,
+                                      weights_bytes=checkpoint.weights_bytes, bytes_per_token=per_token,
+                                      block_size=config.block_size)
+    tokens = auto_tokens if config.max_num_batched_tokens == "auto" else int(config.max_num_batched_tokens)
+    per_block = kv_bytes_per_block(num_layers=num_layers, num_kv_heads=kv_shape[0], head_dim=kv_shape[1],
+                                   dtype_bytes=dtype_bytes, block_size=config.block_size)
+    cap_tokens = KV_REQUESTS_CAP * max(config.max_model_len, tokens)
+    try:
+        plan = plan_memory(device=device_memory, requested_gb=config.memory_budget_gb,
+                           weights_bytes=checkpoint.weights_bytes, activation=tokens * per_token,
+                           kv_block_bytes=per_block, block_size=config.block_size,
+                           blocks_per_request=-(-config.max_model_len // config.block_size),
+                           max_blocks=-(-cap_tokens // config.block_size), host_reserved=config.host_reserved_bytes)
+    except MemoryBudgetError as exc:
+        raise EngineError(str(exc)) from exc
+    return plan, auto_tokens
+
+
+CUDA_REASON = "NVIDIA GPU: the portable path on cuDNN's fused SDPA (no custom CUDA kernels: docs/cuda_kernels.md)"
 
 
 def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tuple[str, str, object]:
@@ -48,17 +79,12 @@ def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tup
         fn = paged_attention if checkpoint.device == "cpu" else gpu_portable_attention(checkpoint.dtype)
         return "portable", "portable path requested (attention_backend='portable')", fn
     dtype = checkpoint.dtype
-    if checkpoint.device == "cuda":
-        lm = checkpoint.model.language_model
-        kv_heads, head_dim = checkpoint.family.kv_shape(lm)   # not lm.head_dim: wrong for some Qwen3-VL
-        shape = dict(num_q_heads=lm.args.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                     block_size=config.block_size)
-        backend = select_cuda_backend(probe=True, dtype=dtype, model_shape=shape)
-    else:
-        backend = select_attention_backend(probe=True, dtype=dtype)
+    if checkpoint.device == "cuda":   # no kernel of ours beats cuDNN's SDPA there: nothing to build or probe
+        return "portable", CUDA_REASON, gpu_portable_attention(dtype)
+    backend = select_attention_backend(probe=True, dtype=dtype)
     log.info("attention backend %s: %s", backend.name, backend.reason)
     wanted = config.attention_backend
-    if wanted in ("metal", "cuda") and backend.name != wanted:
+    if wanted == "metal" and backend.name != wanted:
         raise EngineError(f"EngineConfig.attention_backend={wanted!r} but the kernels are unusable here: "
                           f"{backend.reason}; use attention_backend='auto' to fall back to the portable path")
     return backend.name, backend.reason, backend
@@ -67,40 +93,46 @@ def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tup
 class Classifier:
     """Prefill-only VLM classifier over a paged KV cache; see `from_pretrained`."""
 
-    def __init__(self, checkpoint: LoadedCheckpoint, config: EngineConfig):
+    def __init__(self, checkpoint: LoadedCheckpoint, config: EngineConfig, clock: StepClock | None = None):
+        clock = clock or StepClock()
         self.config = config
         self.checkpoint = checkpoint
         self.model_id = checkpoint.model_id
         self.prompts = PromptBuilder(checkpoint.tokenizer, config, checkpoint.video_token_id, str(checkpoint.path))
         self.attention_backend, reason, self._attention = _select_attention(config, checkpoint)
         self.runtime = EngineRuntime(checkpoint.device, dtype_name(checkpoint.dtype), self.attention_backend, reason)
+        clock.mark("attention_select")
         self._device = mx.cpu if checkpoint.device == "cpu" else mx.gpu  # pinned: several engines may share a process
         lm = checkpoint.model.language_model
         num_layers = install_paged_attention(lm)
-        kv_heads, head_dim = checkpoint.family.kv_shape(lm)  # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
-        budget = (int(config.memory_budget_gb * 2**30) if config.memory_budget_gb else _default_budget_bytes())
-        dtype_bytes = mx.zeros((), dtype=checkpoint.dtype).itemsize
-        try:
-            num_blocks = plan_num_blocks(
-                memory_budget_bytes=budget, weights_bytes=checkpoint.weights_bytes, num_layers=num_layers,
-                num_kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, block_size=config.block_size,
-                max_model_len=config.max_model_len)
-        except KVCacheBudgetError as exc:
-            raise EngineError(str(exc)) from exc
-        cap_tokens = KV_REQUESTS_CAP * max(config.max_model_len, config.max_num_batched_tokens)
-        num_blocks = min(num_blocks, -(-cap_tokens // config.block_size))
+        kv_heads, head_dim = checkpoint.family.kv_shape(lm)   # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
+        self.memory, self.auto_batched_tokens = plan_engine_memory(checkpoint, config, num_layers)
+        num_blocks = self.memory.kv_blocks
+        log.info("memory budget %.1f GiB (%s): %d KV blocks, %d tokens per forward", self.memory.budget_bytes / 2**30,
+                 self.memory.source, num_blocks, self.max_num_batched_tokens)
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(num_layers, num_blocks, config.block_size, kv_heads, head_dim, checkpoint.dtype)
         self._features = VideoFeatureCache(config.block_size)
         self.vision_calls = 0  # vision-tower runs (each encodes one clip); the sharing tests count them
         self._call_ids = itertools.count()
+        clock.mark("kv_cache")
+        self.startup = tuple(clock.steps)
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Tokens per forward pass: the config's number, or what `auto` resolved to for this model and device."""
+        value = self.config.max_num_batched_tokens
+        return self.auto_batched_tokens if value == "auto" else int(value)
 
     @classmethod
-    def from_pretrained(cls, model: str | os.PathLike, config: EngineConfig | None = None) -> "Classifier":
-        """Load a checkpoint of a supported family (directory or hub id); EngineError on any load problem."""
+    def from_pretrained(cls, model: str | os.PathLike, config: EngineConfig | None = None,
+                        clock: StepClock | None = None) -> "Classifier":
+        """Load a checkpoint of a supported family (directory or hub id); EngineError on any load problem.
+        `clock` gets a mark per load step (`startup` lists them)."""
         config = config or EngineConfig()
         config.validate()
-        return cls(load_checkpoint(model, config), config)
+        clock = clock or StepClock()
+        return cls(load_checkpoint(model, config, clock), config, clock)
 
     # --- request preparation ---------------------------------------------------------------------------
     def _prepare(self, index: int, request: ClassifyRequest, call_id: int) -> Sequence:
@@ -154,7 +186,7 @@ class Classifier:
     def _classify(self, requests: Seq[ClassifyRequest]) -> list[ClassifyResult]:
         call_id = next(self._call_ids)
         results: list[ClassifyResult | None] = [None] * len(requests)
-        scheduler = Scheduler(self.pool, self.config.max_num_batched_tokens)
+        scheduler = Scheduler(self.pool, self.max_num_batched_tokens)
         pending: dict[str, int] = {}
         # Requests of one clip go together: stable grouping by media id in first-appearance order.
         first_seen: dict[str, int] = {}

@@ -7,7 +7,9 @@ start with a message saying what to do, not silently run fifty times slower on t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -23,7 +25,7 @@ class EngineRuntime:
 
     device: str  # "cpu" | "metal" | "cuda"
     dtype: str  # "float32" | "float16" | "bfloat16"
-    attention_backend: str  # "portable" | "metal" | "cuda"
+    attention_backend: str  # "portable" | "metal"
     attention_reason: str
 
     def as_dict(self) -> dict[str, str]:
@@ -65,7 +67,35 @@ def select_device(requested: str, gpu: str | None = None) -> str:
 
 def activate(device: str) -> None:
     """Make `device` MLX's default for this process (the engine owns its process in the pipeline)."""
+    if device == "cuda":
+        keep_compiled_kernels()
     mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
+
+
+KERNEL_CACHE_ENV = "MLX_PTX_CACHE_DIR"
+
+
+def kernel_cache_dir(cache_home: str | None = None, architecture: str | None = None) -> Path:
+    """Where compiled CUDA kernels are kept: per MLX version and GPU architecture, under the user's cache."""
+    home = Path(cache_home or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return home / "batchjob" / "mlx-cuda-kernels" / mx.__version__ / (architecture or "unknown")
+
+
+def keep_compiled_kernels() -> Path | None:
+    """MLX's CUDA backend compiles many kernels with NVRTC at first use (per shape and dtype: tens of seconds
+    for a fresh process) and keeps them in $MLX_PTX_CACHE_DIR, by default a temporary folder that a reboot or
+    a tmp cleaner empties. Point it at the user's cache, so the compile is paid once per machine and MLX
+    version, not once a night. A cache folder the user chose is left alone."""
+    if os.environ.get(KERNEL_CACHE_ENV):
+        return None
+    try:
+        arch = str(mx.device_info(mx.gpu).get("architecture", "unknown"))
+        path = kernel_cache_dir(architecture=arch)
+        path.mkdir(parents=True, exist_ok=True)
+    except (OSError, RuntimeError, AttributeError):   # unwritable home: MLX's own default still works
+        return None
+    os.environ[KERNEL_CACHE_ENV] = str(path)
+    return path
 
 
 def resolve_dtype(requested: str, device: str) -> mx.Dtype:

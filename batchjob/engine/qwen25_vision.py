@@ -9,9 +9,12 @@ Two things differ from running mlx-vlm's `VisionModel.__call__` (0.7.10) as it i
   on an empty query (see docs/upstream.md). `patch_window_index` wraps the tower's method at load so repeated
   boundaries are dropped; on CPU that is bit-identical (an empty window contributes nothing).
 - **Packed attention** (`vision_attention.py`): mlx-vlm splits q/k/v on `cu_seqlens.tolist()` in every layer
-  (a host sync per layer) and runs one SDPA per window. Here the split is planned once per tower call: windows
-  of equal length (all of them, for sizes that are multiples of 112 pixels) run as one batched SDPA call;
-  the rotary tables are built once per call and applied to q and k in one fused kernel.
+  (a host sync per layer) and runs one SDPA per window. Here windows of equal length (all of them, for sizes
+  that are multiples of 112 pixels) run as one batched SDPA call, and rotary tables are applied to q and k in
+  one fused kernel.
+- **Planned once per clip shape** (`vision_plan.py`): window order, rotary tables and segment plans come from
+  host arithmetic on the grid, cached per grid, where mlx-vlm recomputes them with host syncs on every call;
+  the patch embedding is one matmul (`patch_embed.py`).
 - **Fused MLP** (`vision_mlp.py`): the blocks' gate/up/down linears become one zero-padded matmul pair at
   load (`fix_model` calls `fuse_gated_mlps`), so the intermediate width is a multiple of the GEMM tile.
 
@@ -24,8 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .vision_attention import (drop_repeated_boundaries, frame_boundaries, packed_attention, rope_tables,
-                               segment_plan)
+from .vision_attention import drop_repeated_boundaries, frame_boundaries, segment_plan
+from .vision_plan import TowerPlan, as_grid, cached_plan, merge_block_positions, rotary_tables, run_blocks, window_order
 
 _PATCHED = "_batchjob_window_index_patched"
 
@@ -44,25 +47,32 @@ def patch_window_index(tower: nn.Module) -> None:
     object.__setattr__(tower, _PATCHED, True)
 
 
+def plan_qwen25(tower: nn.Module, grid_thw) -> TowerPlan:
+    """The tower's plan for this clip shape (built on the first clip of the shape, then reused)."""
+    grid = as_grid(grid_thw)
+
+    def build() -> TowerPlan:
+        merge = tower.spatial_merge_size
+        unit = merge * merge
+        order, cu_window = window_order(grid, tower.window_size, merge, tower.patch_size)
+        positions = merge_block_positions(grid, merge)
+        positions = positions.reshape(-1, unit, 2)[order].reshape(-1, 2)   # patches in window order
+        windows, frames = segment_plan(cu_window), segment_plan(frame_boundaries(grid))
+        full = set(tower.fullatt_block_indexes)
+        return TowerPlan(rope=rotary_tables(positions, tower.rotary_pos_emb),
+                         segments=tuple(frames if i in full else windows for i in range(len(tower.blocks))),
+                         order=mx.array(order.astype(np.int32)),
+                         restore=mx.array(np.argsort(order).astype(np.int32)))
+
+    return cached_plan(tower, ("qwen2_5_vl", grid), build)
+
+
 def encode_qwen25(tower: nn.Module, pixel_values: mx.array, grid_thw: list[tuple[int, int, int]]) -> mx.array:
     """The tower's output `[merged tokens, out_hidden]`, equal to mlx-vlm's `VisionModel.__call__`."""
-    patch_window_index(tower)
-    grid = mx.array([list(g) for g in grid_thw])
+    plan = plan_qwen25(tower, grid_thw)
     hidden = tower.patch_embed(pixel_values)
-    rotary = tower.rot_pos_emb(grid)
-    window_index, cu_window = tower.get_window_index(grid)
-    window_index = np.array(window_index).astype(np.int32)
     unit = tower.spatial_merge_unit
     seq = hidden.shape[0]
-    index = mx.array(window_index)
-    hidden = hidden.reshape(seq // unit, unit, -1)[index].reshape(seq, -1)
-    rope = rope_tables(rotary.reshape(seq // unit, unit, -1)[index].reshape(seq, -1))
-    windows = segment_plan(np.array(cu_window))
-    frames = segment_plan(frame_boundaries(grid_thw))
-    full = set(tower.fullatt_block_indexes)
-    for i, block in enumerate(tower.blocks):
-        plan = frames if i in full else windows
-        hidden = hidden + packed_attention(block.attn, block.norm1(hidden), plan, rope)
-        hidden = hidden + block.mlp(block.norm2(hidden))
-    hidden = tower.merger(hidden)
-    return hidden[mx.array(np.argsort(window_index).astype(np.int32))]
+    hidden = hidden.reshape(seq // unit, unit, -1)[plan.order].reshape(seq, -1)
+    hidden, _ = run_blocks(tower.blocks, hidden, plan)
+    return tower.merger(hidden)[plan.restore]

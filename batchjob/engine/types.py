@@ -63,9 +63,11 @@ class EngineConfig:
     device: str = "auto"  # "auto" = the GPU (Metal or CUDA) when MLX sees one, else CPU; "gpu" fails without one
     min_pixels: int | None = None  # None = the checkpoint processor's value
     max_pixels: int | None = None
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | str = "auto"  # tokens per forward pass; "auto" = from the model and device
+    # (token_budget.py: 8192 on a CPU, up to 32768 on a GPU as its memory allows)
     max_model_len: int = 32768
-    memory_budget_gb: float | None = None  # None = 3/4 of physical memory; KV pool capped at a few requests
+    memory_budget_gb: float | None = None  # None = sized from the device (memory_budget.py); KV pool capped
+    host_reserved_bytes: int = 0   # other processes' memory beside the engine where they share the device's
     block_size: int = 16
     option_labels: tuple[str, ...] = ("A", "B", "C", "D", "E")
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE
@@ -84,7 +86,9 @@ class EngineConfig:
     def validate(self) -> None:
         """Raise EngineError naming the setting and the fix for settings no schedule could run with."""
         checks = [
-            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.max_num_batched_tokens == "auto" or (type(self.max_num_batched_tokens) is int
+                                                        and self.max_num_batched_tokens >= 1),
+             "max_num_batched_tokens must be 'auto' or an integer >= 1"),
             (self.max_model_len >= 2, "max_model_len must be >= 2"),
             (self.block_size >= 1, "block_size must be >= 1"),
             (self.memory_budget_gb is None or self.memory_budget_gb > 0, "memory_budget_gb must be > 0 or None"),
@@ -103,8 +107,10 @@ class EngineConfig:
             (self.temporal_step in ("nominal", "actual"), "temporal_step must be one of nominal, actual"),
             (self.timestamps in ("actual", "nominal"), "timestamps must be one of actual, nominal"),
             (self.device in ("auto", "cpu", "gpu"), "device must be one of auto, cpu, gpu"),
-            (self.attention_backend in ("auto", "portable", "metal", "cuda"),
-             "attention_backend must be one of auto, portable, metal, cuda"),
+            (self.attention_backend != "cuda", "attention_backend 'cuda' is gone: batchjob has no CUDA attention "
+             "kernels (they ran at 0.01-0.2x cuDNN's SDPA, docs/cuda_kernels.md); use auto"),
+            (self.attention_backend in ("auto", "portable", "metal"),
+             "attention_backend must be one of auto, portable, metal"),
         ]
         for ok, message in checks:
             if not ok:

@@ -9,11 +9,14 @@ permutation restores token order. Empty segments are dropped (MLX CUDA's SDPA fa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from .fused_ops import rotate_half_rope
 
 
 def drop_repeated_boundaries(cu_seqlens: np.ndarray) -> np.ndarray:
@@ -64,7 +67,7 @@ def segment_plan(cu_seqlens: np.ndarray) -> SegmentPlan:
 
 @dataclass(frozen=True)
 class RopeTables:
-    """The vision rotary embedding's cos/sin, `[tokens, 1, 1, head_dim]` in fp32: built once per tower call
+    """The vision rotary embedding's cos/sin, `[tokens, 1, 1, head_dim]` in fp32: built once per clip shape
     (mlx-vlm recomputes them, and tiles them, for q and for k in every block)."""
 
     cos: mx.array
@@ -79,12 +82,30 @@ def rope_tables(freqs: mx.array) -> RopeTables:
     return RopeTables(table(mx.cos(freqs)), table(mx.sin(freqs)))
 
 
-@mx.compile
-def _rope_qk(qk: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """mlx-vlm's `apply_rotary_pos_emb_vision` on q and k at once, one fused kernel: fp32 math, input dtype out."""
-    half = qk.shape[-1] // 2
-    rotated = mx.concatenate([-qk[..., half:], qk[..., :half]], axis=-1)
-    return ((qk * cos) + (rotated * sin)).astype(qk.dtype)
+METAL_FUSED_HEAD_DIMS = (64, 80, 128)   # what MLX's fused Metal SDPA takes (cuDNN takes any multiple of 8)
+
+
+@functools.cache
+def _metal_available() -> bool:
+    try:
+        return bool(mx.metal.is_available())
+    except Exception:   # an MLX build without the metal module
+        return False
+
+
+def _on_metal() -> bool:
+    return _metal_available() and mx.default_device().type == mx.gpu
+
+
+def _fused_sdpa(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """SDPA; on Metal a head_dim its fused kernel lacks (Qwen3-VL's 72) is zero-padded to the next one it has,
+    as mlx-vlm does (zeros add nothing to q.k, and the padded output columns are dropped)."""
+    d = q.shape[-1]
+    if _on_metal() and d < METAL_FUSED_HEAD_DIMS[-1] and d not in METAL_FUSED_HEAD_DIMS:
+        pad = [(0, 0)] * (q.ndim - 1) + [(0, next(t for t in METAL_FUSED_HEAD_DIMS if t > d) - d)]
+        return mx.fast.scaled_dot_product_attention(mx.pad(q, pad), mx.pad(k, pad), mx.pad(v, pad), scale=scale,
+                                                    mask=None)[..., :d]
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=None)
 
 
 def packed_attention(attn: nn.Module, x: mx.array, plan: SegmentPlan, rope: RopeTables | mx.array) -> mx.array:
@@ -96,13 +117,13 @@ def packed_attention(attn: nn.Module, x: mx.array, plan: SegmentPlan, rope: Rope
     tokens = x.shape[0]
     heads, head_dim = attn.num_heads, attn.head_dim
     qkv = attn.qkv(x).reshape(tokens, 3, heads, head_dim)
-    qk = _rope_qk(qkv[:, :2], rope.cos, rope.sin)
+    qk = rotate_half_rope(qkv[:, :2], rope.cos, rope.sin)
     q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
     outs = []
     for g in plan.groups:
         parts = [t if g.gather is None else t[g.gather] for t in (q, k, v)]
         qg, kg, vg = (t.reshape(g.count, g.length, heads, head_dim).transpose(0, 2, 1, 3) for t in parts)
-        o = mx.fast.scaled_dot_product_attention(qg, kg, vg, scale=attn.scale, mask=None)
+        o = _fused_sdpa(qg, kg, vg, attn.scale)
         outs.append(o.transpose(0, 2, 1, 3).reshape(g.count * g.length, heads * head_dim))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     if plan.restore is not None:

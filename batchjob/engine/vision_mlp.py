@@ -13,13 +13,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .fused_ops import swiglu_halves
+
 GEMM_TILE = 128
-
-
-@mx.compile
-def _swiglu(gate_up: mx.array) -> mx.array:
-    half = gate_up.shape[-1] // 2
-    return nn.silu(gate_up[..., :half]) * gate_up[..., half:]
 
 
 def _padded(width: int) -> int:
@@ -48,7 +44,7 @@ class FusedGatedMLP(nn.Module):
             self.down.bias = down.bias
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down(_swiglu(self.gate_up(x)))
+        return self.down(swiglu_halves(self.gate_up(x)))
 
 
 def fuse_gated_mlps(blocks) -> int:

@@ -7,6 +7,8 @@ delta frames, so draining is what keeps "keyframes only" literally true.
 
 from __future__ import annotations
 
+import itertools
+
 import av
 import numpy as np
 
@@ -23,10 +25,25 @@ MAX_REORDER = 64
 
 
 def _seek(container, stream, kf: Keyframe, label: str):
-    """Position the demuxer so the next packet is `kf`'s; returns (packet, packet iterator)."""
+    """Position the demuxer so the next packet is `kf`'s; returns (packet, packet iterator).
+
+    With a late target (`Keyframe.seek_ts_late`) first: it lands on `kf` itself, or earlier (a walk); should it
+    overshoot (a stream whose delay exceeds a GOP), the keyframe's own timestamp is sought instead."""
+    if kf.seek_ts_late is not None and kf.pos >= 0:
+        container.seek(kf.seek_ts_late, stream=stream, backward=True, any_frame=False)
+        stream.codec_context.flush_buffers()
+        packets = container.demux(stream)
+        first = next(packets, None)
+        if first is not None and first.size and first.pos is not None and 0 <= first.pos <= kf.pos:
+            return _walk(itertools.chain([first], packets), kf, label)
     container.seek(kf.seek_ts, stream=stream, backward=True, any_frame=False)
     stream.codec_context.flush_buffers()
-    packets = container.demux(stream)
+    return _walk(container.demux(stream), kf, label)
+
+
+def _walk(packets, kf: Keyframe, label: str):
+    """Demux forward to `kf`'s packet (bounded): returns (packet, the iterator after it)."""
+    packets = iter(packets)
     for _, packet in zip(range(MAX_WALK_PACKETS), packets):
         if packet.size == 0:
             break

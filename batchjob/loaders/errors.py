@@ -41,3 +41,12 @@ class MissingTimestamps(CorruptVideo):
 
 class InvalidArgument(LoaderError):
     """The caller asked for something impossible (num_frames <= 0, unknown backend, bad source type)."""
+
+
+class RemoteReadError(LoaderError):
+    """Reading a remote clip failed after the bounded retries (timeouts, server errors, dropped connections),
+    or was refused (access denied). The message names the URL, the cause and how many attempts were made."""
+
+
+class AccessDenied(RemoteReadError):
+    """The store refused the request (a missing permission, no credentials): retrying cannot help."""

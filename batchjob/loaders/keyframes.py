@@ -25,6 +25,9 @@ import av
 
 from batchjob.loaders.errors import CorruptVideo, MissingTimestamps
 from batchjob.loaders.media import is_mp4_family
+from batchjob.loaders.registry import LoaderOption
+
+USE_INDEX_OPTION = LoaderOption(bool, "false: list keyframes by a demux sweep, never from the MP4 sample table")
 
 # A sweep reads each packet once; a file has finitely many, but a broken demuxer must not spin forever.
 MAX_PACKETS = 50_000_000
@@ -41,6 +44,11 @@ class Keyframe:
     pos: int  # byte offset of its packet, -1 if unknown
     index: int | None  # presentation index; None until the keyframe is read (table path)
     shown_pts: int | None = None  # set when an edit list hides this keyframe: the first visible frame's PTS
+    # MP4 only: just before the next keyframe's DTS. FFmpeg's MP4 seek reads the target as a presentation time and
+    # moves it back onto the DTS axis by the stream's B-frame delay, so seeking to a keyframe's own DTS lands on
+    # the keyframe before it, and reaching this one means demuxing (and, remotely, fetching) a whole GOP. A target
+    # inside the following GOP lands here whenever that delay is shorter than a GOP (see decode._seek).
+    seek_ts_late: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +99,10 @@ def from_sample_table(container: av.container.InputContainer, stream: av.video.s
         return None
     # Entries are views into FFmpeg's memory: copy the fields out while the container is open.
     rows = [(p, entries[p]) for p in positions]
-    keyframes = [Keyframe(p, e.timestamp, e.timestamp, None, e.pos, None) for p, e in rows]
     last = entries[count - 1]
+    late = [e.timestamp - 1 for _, e in rows[1:]] + [last.timestamp]
+    keyframes = [Keyframe(p, e.timestamp, e.timestamp, None, e.pos, None, seek_ts_late=t)
+                 for (p, e), t in zip(rows, late)]
     data_end = max([last.pos + last.size] + [e.pos + e.size for _, e in rows])
     if 0 < container.size < data_end:
         raise CorruptVideo(label, f"truncated: its index places frames up to byte {data_end} but the file "

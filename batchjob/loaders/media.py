@@ -35,6 +35,9 @@ def describe(source: Any) -> str:
         return f"<{len(source)} bytes of video>"
     if not hasattr(source, "read"):
         return f"<{type(source).__name__} {source!r:.40}>"
+    label = getattr(source, "source_label", None)   # a remote clip's file object names its URL (range_file.py)
+    if isinstance(label, str):
+        return label
     name = getattr(source, "name", None)
     return f"<file object {name}>" if isinstance(name, str) else "<file object>"
 
@@ -55,8 +58,9 @@ def _as_avopen_arg(source: Source, label: str) -> Any:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if not os.path.exists(path):
-            raise VideoNotFound(label, "no such file; check the path (relative paths resolve against "
-                                       f"the working directory {os.getcwd()})")
+            hint = ("check the path, and that its disk or network share is mounted" if os.path.isabs(path) else
+                    f"check the path (relative paths resolve against the working directory {os.getcwd()})")
+            raise VideoNotFound(label, f"no such file; {hint}")
         if os.path.isdir(path):
             raise VideoNotFound(label, "is a directory, not a video file")
         if not os.access(path, os.R_OK):
@@ -82,9 +86,14 @@ def _looks_like_mp4(source: Source) -> bool:
                 head = f.read(8)
         elif isinstance(source, (bytes, bytearray, memoryview)):
             head = bytes(source[:8])
+        elif hasattr(source, "seek") and hasattr(source, "read"):
+            where = source.tell()
+            source.seek(0)
+            head = source.read(8)
+            source.seek(where)
         else:
             return False
-    except OSError:
+    except (OSError, ValueError):   # includes LoaderError: a remote read that failed
         return False
     return head[4:8] == b"ftyp"
 

@@ -17,8 +17,8 @@ from batchjob.loaders.errors import CorruptVideo, InvalidArgument, UnsupportedMe
 from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, open_video, stack_frames,
                                     visible_frame_count)
 from batchjob.loaders.picks import uniform_targets
-from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY
-from batchjob.loaders.request import FrameRequest
+from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY, LoaderOption
+from batchjob.loaders.request import FPS_OPTION, FrameRequest
 from batchjob.loaders.vllm_bridge import register_with_vllm
 
 NAME = "opencv"
@@ -83,6 +83,11 @@ def load_uniform_opencv(path: str, num_frames: int = 16, *, fps: float = -1, fra
 
 @VIDEO_LOADER_REGISTRY.register(NAME)
 class OpenCVLoader:
+    """Exact frames placed uniformly over the clip, as vLLM's default loader: lossless baseline, cost grows
+    with clip length."""
+
+    options = {"fps": FPS_OPTION}
+
     @classmethod
     def load_bytes(cls, data: Source, *, num_frames: int = 16, **kwargs) -> tuple[np.ndarray, dict]:
         """OpenCV reads files, not buffers: spill the bytes to a temporary file first."""

@@ -1,7 +1,7 @@
 """Which frames to return: pure functions over indices, testable without any video.
 
 Two placements exist. Keyframe picks spread the budget evenly over the clip's keyframe list, repeating
-keyframes (balanced) when there are fewer keyframes than frames asked for. Uniform targets spread the
+keyframes (balanced: counts at most one apart) when there are fewer keyframes than frames asked for. Uniform targets spread the
 budget over all frames the way vLLM's default loader does (`linspace(..., dtype=int)`, i.e. truncation),
 so A/B comparisons against that loader line up frame for frame.
 """
@@ -14,14 +14,18 @@ import numpy as np
 
 
 def keyframe_picks(num_keyframes: int, num_frames: int) -> list[int]:
-    """Positions in the keyframe list: `round(linspace(0, n_kf - 1, num_frames))`.
+    """Positions in the keyframe list, in order.
 
-    numpy rounds halves to even; with 2 keyframes and 16 frames that still splits 8/8, and every budget
-    gives each keyframe a share that differs from the others by at most one.
+    At most as many frames as keyframes: `round(linspace(0, n_kf - 1, num_frames))`, distinct keyframes
+    spanning the clip from the first to the last. More frames than keyframes: every keyframe, repeated so
+    that the counts differ by at most one (3 keyframes for 16 frames: 5/6/5). Frame i is the keyframe whose
+    equal share of the frame slots holds the centre of slot i, so the extra repeats are spread evenly.
     """
     if num_keyframes <= 0 or num_frames <= 0:
         raise ValueError(f"need keyframes and frames, got {num_keyframes} keyframes, {num_frames} frames")
-    return [int(p) for p in np.round(np.linspace(0, num_keyframes - 1, num_frames))]
+    if num_frames <= num_keyframes:
+        return [int(p) for p in np.round(np.linspace(0, num_keyframes - 1, num_frames))]
+    return [(2 * i + 1) * num_keyframes // (2 * num_frames) for i in range(num_frames)]
 
 
 def uniform_targets(total_frames: int, num_frames: int) -> list[int]:

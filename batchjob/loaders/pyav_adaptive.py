@@ -21,11 +21,11 @@ import os
 import numpy as np
 
 from batchjob.loaders.errors import InvalidArgument
-from batchjob.loaders.keyframes import from_sweep, list_keyframes
+from batchjob.loaders.keyframes import USE_INDEX_OPTION, from_sweep, list_keyframes
 from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, pts_seconds,
                                    stack_frames)
-from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY
-from batchjob.loaders.request import FrameRequest
+from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY, LoaderOption
+from batchjob.loaders.request import FPS_OPTION, FrameRequest
 from batchjob.loaders.sampling import exact_frames, keyframe_frames, require_keyframes
 from batchjob.loaders.vllm_bridge import register_with_vllm
 
@@ -62,6 +62,16 @@ def load_adaptive(source: Source, num_frames: int = 16, *, fps: float = -1, fram
 
 @VIDEO_LOADER_REGISTRY.register(NAME)
 class PyAVAdaptiveLoader:
+    """Keyframes when the clip has enough, else exact uniform frames decoded forward from the keyframe
+    before each (bounded by max_decoded_frames)."""
+
+    options = {"fps": FPS_OPTION,
+               "max_decoded_frames": LoaderOption(int, "the most pictures decoded per clip to reach exact frames",
+                                                  minimum=1),
+               "use_index": USE_INDEX_OPTION}
+
+    reads_file_objects = True   # URLs arrive as seekable range-reading files (batchjob.loaders.remote)
+
     @classmethod
     def load_bytes(cls, data: bytes, *, num_frames: int = 16, **kwargs) -> tuple[np.ndarray, dict]:
         return load_adaptive(data, num_frames, **kwargs)

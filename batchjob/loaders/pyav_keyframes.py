@@ -17,11 +17,11 @@ import os
 
 import numpy as np
 
-from batchjob.loaders.keyframes import list_keyframes
+from batchjob.loaders.keyframes import USE_INDEX_OPTION, list_keyframes
 from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, pts_seconds,
                                    stack_frames)
-from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY
-from batchjob.loaders.request import FrameRequest
+from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY, LoaderOption
+from batchjob.loaders.request import FPS_OPTION, FrameRequest
 from batchjob.loaders.sampling import keyframe_frames, require_keyframes
 from batchjob.loaders.vllm_bridge import register_with_vllm
 
@@ -46,6 +46,14 @@ def load_keyframes(source: Source, num_frames: int = 16, *, fps: float = -1, fra
 
 @VIDEO_LOADER_REGISTRY.register(NAME)
 class PyAVKeyframeLoader:
+    """Keyframes only, spread evenly over the clip's keyframes (repeated, balanced, when too few): cost
+    independent of clip length."""
+
+    options = {"fps": FPS_OPTION,
+               "use_index": USE_INDEX_OPTION}
+
+    reads_file_objects = True   # URLs arrive as seekable range-reading files (batchjob.loaders.remote)
+
     @classmethod
     def load_bytes(cls, data: bytes, *, num_frames: int = 16, **kwargs) -> tuple[np.ndarray, dict]:
         return load_keyframes(data, num_frames, **kwargs)

@@ -14,8 +14,10 @@ import math
 import numpy as np
 
 from batchjob.loaders.errors import InvalidArgument
+from batchjob.loaders.registry import LoaderOption
 
 ALL_FRAMES = -1  # vLLM's num_frames meaning "every frame" (every keyframe for pyav_keyframes)
+FPS_OPTION = LoaderOption(float, "at most this many frames per second of clip (<= 0: no limit), as vLLM counts")
 
 
 @dataclasses.dataclass(frozen=True)

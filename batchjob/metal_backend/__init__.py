@@ -7,16 +7,15 @@ tokens; identical prefixes (same tokens, same media) share physical blocks.
 from .attention import paged_attention
 from .block_pool import BlockPool, PoolExhaustedError, PoolStats, SeqBlocks, hash_blocks, media_hash_spans
 from .kv_cache import KVCache, write_kv
-from .memory import KVCacheBudgetError, kv_bytes_per_block, plan_num_blocks
+from .memory import kv_bytes_per_block
 from .metadata import AttentionMetadata, SeqSlice, build_attention_metadata, token_positions
-from .selection import AttentionBackend, batch_case, select_attention_backend, select_cuda_backend
+from .selection import AttentionBackend, select_attention_backend
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "BlockPool",
     "KVCache",
-    "KVCacheBudgetError",
     "PoolExhaustedError",
     "PoolStats",
     "SeqBlocks",
@@ -26,10 +25,7 @@ __all__ = [
     "kv_bytes_per_block",
     "media_hash_spans",
     "paged_attention",
-    "plan_num_blocks",
     "select_attention_backend",
-    "select_cuda_backend",
-    "batch_case",
     "token_positions",
     "write_kv",
 ]

@@ -106,19 +106,25 @@ def _call_keys(call: SdpaCall, index: int, plan_key: tuple, k_cache, v_cache, me
         return (mx.contiguous(k), mx.contiguous(v)) if contiguous else (k, v)
     seqs = list(call.seqs)
     tables = meta.block_tables_host[seqs]
-    rows = _memo(meta, plan_key + (index, "key_rows", k_cache.shape[2]),
-                 lambda: gather_rows(tables, call.k_len, meta.block_size, k_cache.shape[2],
-                                     meta.context_lens_host[seqs]))
+    hkv = k_cache.shape[2]
+    if call.key_slots is not None:   # a folded call: its keys' slots, gathered once for all its sequences
+        rows = _memo(meta, plan_key + (index, "key_rows", hkv), lambda: mx.array(
+            (call.key_slots[None, None, :].astype(np.int64) * hkv + np.arange(hkv)[None, :, None]).astype(np.int32)))
+    else:
+        rows = _memo(meta, plan_key + (index, "key_rows", hkv),
+                     lambda: gather_rows(tables, call.k_len, meta.block_size, hkv, meta.context_lens_host[seqs]))
     return (gather_heads_major(k_cache, tables, call.k_len, dtype, rows, contiguous),
             gather_heads_major(v_cache, tables, call.k_len, dtype, rows, contiguous))
 
 
 def planned_attention(meta: AttentionMetadata, query_chunk: int, group_rows: int,
-                      pad_slack: float = PAD_SLACK) -> AttentionPlan:
+                      pad_slack: float = PAD_SLACK, fold: bool = False) -> AttentionPlan:
     """`plan_attention` for this forward pass, built by the first layer and shared by every other one."""
-    return _memo(meta, ("attention_plan", query_chunk, group_rows, pad_slack),
+    return _memo(meta, ("attention_plan", query_chunk, group_rows, pad_slack, fold),
                  lambda: plan_attention(meta.cu_seqlens_q_host, meta.context_lens_host, query_chunk=query_chunk,
-                                        group_rows=group_rows, pad_slack=pad_slack))
+                                        group_rows=group_rows, pad_slack=pad_slack,
+                                        block_tables=meta.block_tables_host if fold else None,
+                                        block_size=meta.block_size))
 
 
 def paged_attention(
@@ -132,6 +138,7 @@ def paged_attention(
     group_rows: int | None = None,
     pad_slack: float = PAD_SLACK,
     contiguous_kv: bool = True,
+    fold_followers: bool = False,
     new_kv: tuple[mx.array, mx.array] | None = None,
 ) -> mx.array:
     """Attention of the packed new tokens `q [T, Hq, D]` over each sequence's cached + new KV -> `[T, Hq, D]`.
@@ -145,8 +152,9 @@ def paged_attention(
     bounds the score matrix of unfused SDPA as chunking does); longer sequences run alone in `query_chunk`-row
     chunks; one-token sequences in length-sorted groups. `new_kv` (this layer's new K and V `[T, Hkv, D]`, as
     written to the caches) lets sequences with nothing cached read their keys without a gather. `contiguous_kv`
-    copies K/V views for the CPU's unfused SDPA (see `gather_heads_major`). Python-level work uses the host
-    copies in `meta`, so this stays lazy.
+    copies K/V views for the CPU's unfused SDPA (see `gather_heads_major`). `fold_followers` folds the
+    followers of a clip into one call over their shared cached context, gathered once (`attention_plan`).
+    Python-level work uses the host copies in `meta`, so this stays lazy.
     """
     check_attention_inputs(q, k_cache, v_cache, meta)
     if query_chunk < 1:
@@ -156,8 +164,8 @@ def paged_attention(
         raise ValueError(f"paged_attention: new_kv must be K and V [num_tokens={meta.num_tokens}, {hkv}, {d}], got "
                          f"{[x.shape for x in new_kv]}")
     rows = query_chunk if group_rows is None else group_rows
-    plan = planned_attention(meta, query_chunk, rows, pad_slack)
-    plan_key = ("attention_plan", query_chunk, rows, pad_slack)
+    plan = planned_attention(meta, query_chunk, rows, pad_slack, fold_followers)
+    plan_key = ("attention_plan", query_chunk, rows, pad_slack, fold_followers)
     hq = q.shape[1]
     fresh = None
     if new_kv is not None:  # the values the cache holds (cast to its dtype), then to the compute dtype, as a read
@@ -165,15 +173,19 @@ def paged_attention(
     pieces = []
     for i, call in enumerate(plan.calls):
         memo = lambda build, i=i: _memo(meta, plan_key + (i, "q_tokens"), build)  # noqa: E731
-        q_g = _rows_of(q, call.q_start, call.q_tokens, call.n, call.q_len, memo)
+        q_g = _rows_of(q, call.q_start, call.q_tokens, call.batch, call.q_len, memo)
         k, v = _call_keys(call, i, plan_key, k_cache, v_cache, meta, q.dtype, fresh, contiguous_kv)
         mask = call.mask
         if mask == "keys":
             ctx = meta.context_lens_host[list(call.seqs)]
             mask = _memo(meta, plan_key + (i, "key_mask"),
                          lambda: mx.array(np.arange(call.k_len)[None, :] < ctx[:, None])[:, None, None, :])
-        o = mx.fast.scaled_dot_product_attention(q_g, k, v, scale=scale, mask=mask)  # [n, Hq, q_len, D]
-        pieces.append(o.transpose(0, 2, 1, 3).reshape(call.n * call.q_len, hq, d))
+        elif mask == "visible":   # additive, in the compute dtype, built once per forward (CUDA's SDPA takes
+            # no boolean mask: MLX would convert one in every layer)
+            mask = _memo(meta, plan_key + (i, "visible", q.dtype), lambda: mx.where(
+                mx.array(call.visible), mx.array(0.0, q.dtype), mx.array(-float("inf"), q.dtype))[None, None])
+        o = mx.fast.scaled_dot_product_attention(q_g, k, v, scale=scale, mask=mask)  # [batch, Hq, q_len, D]
+        pieces.append(o.transpose(0, 2, 1, 3).reshape(call.batch * call.q_len, hq, d))
     out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
     if plan.inverse is not None:
         out = mx.take(out, _memo(meta, plan_key + ("inverse",), lambda: mx.array(plan.inverse)), axis=0)

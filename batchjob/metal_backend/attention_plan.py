@@ -19,6 +19,12 @@ How much padding: a group is closed before its padded attention work exceeds `pa
 is worth a fixed overhead: padding the attention of a ~2,000-token prompt by 25% costs well under 1% of its
 layer's FLOPs (the projections and MLP dominate), much less than a per-call overhead of tenths of a
 millisecond on an H100. Equal shapes never pad and always share a call (up to `group_rows`).
+
+Followers of one clip (short questions over the same cached blocks) can instead be folded into ONE batch
+element (`fold=True`, the GPU setting): their queries stacked on one axis, their keys the shared cached
+positions gathered once followed by each one's own new positions, and a visibility mask that lets each query
+see the shared prefix and its own sequence causally. A padded call gathers the shared prefix once per
+follower; the folded one reads it once, for at most `FOLD_SLACK` times the real attention arithmetic.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import numpy as np
 
 PAD_SLACK = 1.25  # padded attention work per group <= PAD_SLACK x its real work (see the module docstring)
 DECODE_SLACK = 1.25  # the same bound for one-token sequences, whose keys are padded and masked instead
+FOLD_SLACK = 2.0  # a folded call's score entries <= FOLD_SLACK x its members' real work (it saves their gathers)
+FOLD_MAX_Q = 128  # sequences with at most this many new tokens are folded (short questions over a clip)
 
 
 @dataclass(frozen=True)
@@ -52,11 +60,19 @@ class SdpaCall:
     q_start: int | None
     key_tokens: np.ndarray | None  # int32 [n * k_len] or None when any key is cached
     k_start: int | None
-    mask: str | None  # "causal" (lower-right), "keys" (keys past each context masked), or None (all visible)
+    mask: str | None  # "causal" (lower-right), "keys" (keys past each context masked), "visible" (the array
+    # below), or None (all visible)
+    key_slots: np.ndarray | None = None  # int32 [k_len]: a folded call's keys as cache slots (batch of one)
+    visible: np.ndarray | None = None  # bool [q_len, k_len]: which keys each row of a folded call sees
 
     @property
     def n(self) -> int:
         return len(self.seqs)
+
+    @property
+    def batch(self) -> int:
+        """SDPA's batch size: one per sequence, or one for a folded call (its sequences share the key axis)."""
+        return 1 if self.key_slots is not None else len(self.seqs)
 
     @property
     def padded_rows(self) -> int:
@@ -123,6 +139,61 @@ def decode_groups(context_lens: Sequence[int], slack: float = DECODE_SLACK) -> l
     return groups
 
 
+def fold_groups(candidates: Sequence[int], q_lens: np.ndarray, prefix: np.ndarray, tables: np.ndarray,
+                block_size: int, *, group_rows: int, slack: float = FOLD_SLACK) -> list[list[int]]:
+    """Sequences (given by index, in batch order) whose cached full blocks are the same physical blocks,
+    partitioned into folds of two or more: each within `slack` x its real work and `group_rows` rows."""
+    by_blocks: dict[tuple, list[int]] = {}
+    for s in candidates:
+        full = int(prefix[s]) // block_size
+        if full:
+            by_blocks.setdefault(tuple(tables[s, :full].tolist()), []).append(int(s))
+    folds = []
+    for members in by_blocks.values():
+        shared = int(prefix[members[0]]) // block_size * block_size
+        current: list[int] = []
+        for s in members:
+            trial = current + [s]
+            rows = sum(int(q_lens[m]) for m in trial)
+            keys = shared + sum(int(prefix[m] + q_lens[m]) - shared for m in trial)
+            real = sum(causal_work(int(q_lens[m]), int(prefix[m])) for m in trial)
+            if len(trial) == 1 or (rows <= group_rows and rows * keys <= slack * real):
+                current = trial
+                continue
+            folds.append(current)
+            current = [s]
+        folds.append(current)
+    return [f for f in folds if len(f) >= 2]
+
+
+def _fold_call(seqs: list[int], cu: np.ndarray, ctx: np.ndarray, prefix: np.ndarray, tables: np.ndarray,
+               block_size: int) -> SdpaCall:
+    """One batch element for followers sharing `shared` cached positions: their rows stacked; keys the shared
+    positions (read once) then each one's own positions; row j of sequence s sees the shared keys and its own
+    positions up to `prefix[s] + j`."""
+    shared = int(prefix[seqs[0]]) // block_size * block_size
+
+    def slots(s: int, lo: int, hi: int) -> np.ndarray:
+        pos = np.arange(lo, hi)
+        return tables[s, pos // block_size] * block_size + pos % block_size
+
+    q_tokens = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in seqs]).astype(np.int32)
+    own = [slots(s, shared, int(ctx[s])) for s in seqs]
+    key_slots = np.concatenate([slots(seqs[0], 0, shared)] + own).astype(np.int32)
+    visible = np.zeros((len(q_tokens), len(key_slots)), dtype=bool)
+    visible[:, :shared] = True
+    row, col = 0, shared
+    for s, mine in zip(seqs, own):
+        q_len = int(cu[s + 1] - cu[s])
+        positions = shared + np.arange(len(mine))   # own keys' positions in the sequence
+        limit = int(prefix[s]) + np.arange(q_len)   # row j sees positions <= prefix + j
+        visible[row:row + q_len, col:col + len(mine)] = positions[None, :] <= limit[:, None]
+        row, col = row + q_len, col + len(mine)
+    q_start = int(q_tokens[0]) if np.array_equal(q_tokens, q_tokens[0] + np.arange(len(q_tokens))) else None
+    return SdpaCall(tuple(int(x) for x in seqs), len(q_tokens), len(key_slots), q_tokens, q_tokens.copy(), q_start,
+                    None, None, "visible", key_slots, visible)
+
+
 def _call(seqs, q_first, q_count, k_len: int, cu: np.ndarray, ctx: np.ndarray, prefix: np.ndarray,
           mask: str | None) -> SdpaCall:
     """Rows `q_first[i] .. q_first[i] + q_count[i]` (flat tokens) of sequence `seqs[i]`, padded to the longest,
@@ -144,9 +215,12 @@ def _call(seqs, q_first, q_count, k_len: int, cu: np.ndarray, ctx: np.ndarray, p
 
 
 def plan_attention(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, *, query_chunk: int, group_rows: int,
-                   pad_slack: float = PAD_SLACK) -> AttentionPlan:
+                   pad_slack: float = PAD_SLACK, block_tables: np.ndarray | None = None,
+                   block_size: int = 0) -> AttentionPlan:
     """The SDPA calls for a packed batch (host arrays of `AttentionMetadata`).
 
+    - with `block_tables` (and `block_size`): followers with at most FOLD_MAX_Q new tokens whose cached full
+      blocks are the same physical blocks are folded (`fold_groups`, `_fold_call`);
     - one-token sequences (two or more): `decode_groups`, keys padded to each group's longest context, masked;
     - sequences longer than `query_chunk` rows: alone, in chunks of rows, each against only the keys its last
       row can see (bounds the score matrix of unfused SDPA and skips the masked half of a fresh prompt);
@@ -173,6 +247,13 @@ def plan_attention(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, *, query_
         rest = np.flatnonzero(q_lens > 1)
     else:
         rest = np.arange(len(q_lens))
+    if block_tables is not None and block_size > 0:
+        tables = np.asarray(block_tables)
+        candidates = [int(s) for s in rest if q_lens[s] <= min(FOLD_MAX_Q, query_chunk)]
+        for fold in fold_groups(candidates, q_lens, prefix, tables, block_size, group_rows=group_rows):
+            calls.append(_fold_call(fold, cu, ctx, prefix, tables, block_size))
+        folded = {s for c in calls if c.key_slots is not None for s in c.seqs}
+        rest = np.array([s for s in rest if int(s) not in folded], dtype=np.int64)
     long = [int(s) for s in rest if q_lens[s] > query_chunk]
     for s in long:
         for a in range(int(cu[s]), int(cu[s + 1]), query_chunk):

@@ -41,9 +41,14 @@ def make_ragged_batch(
     dtype: mx.Dtype = mx.float32,
     spare_blocks: int = 3,
     shuffle_blocks: bool = True,
+    prefix_groups: Sequence[int] | None = None,
+    shared_blocks: int = 0,
 ) -> RaggedBatch:
     """Sequences with `cached_lens[i]` tokens already cached and `q_lens[i]` new ones, blocks shuffled
     (or handed out in ascending order, as a fresh pool does, with `shuffle_blocks=False`).
+
+    Sequences with the same `prefix_groups` entry (>= 0) share the physical blocks of their first
+    `shared_blocks` logical blocks, as the followers of one clip share its cached video prefix in the pool.
 
     Spare blocks are filled with large garbage so any read outside a sequence's own blocks shows up as a
     wrong answer rather than passing silently. Values are rounded to `dtype` before the host copies are taken,
@@ -52,13 +57,25 @@ def make_ragged_batch(
     if len(q_lens) != len(cached_lens):
         raise ValueError(f"q_lens ({len(q_lens)}) and cached_lens ({len(cached_lens)}) must have equal length")
     ctx = [int(q) + int(c) for q, c in zip(q_lens, cached_lens)]
+    groups = list(prefix_groups) if prefix_groups is not None else [-1] * len(ctx)
+    if len(groups) != len(ctx) or any(g >= 0 and c < shared_blocks * block_size for g, c in zip(groups, cached_lens)):
+        raise ValueError(f"prefix_groups must name one group per sequence, and sharing sequences must have at least "
+                         f"shared_blocks x block_size = {shared_blocks * block_size} cached tokens")
     need = [-(-c // block_size) for c in ctx]
-    num_blocks = sum(need) + spare_blocks
+    num_groups = len({g for g in groups if g >= 0})
+    num_blocks = sum(n - (shared_blocks if g >= 0 else 0) for n, g in zip(need, groups)) \
+        + num_groups * shared_blocks + spare_blocks
     perm = rng.permutation(num_blocks) if shuffle_blocks else np.arange(num_blocks)
-    tables, used = [], 0
-    for n in need:
-        tables.append([int(b) for b in perm[used : used + n]])
-        used += n
+    tables, used, shared = [], 0, {}
+    for n, g in zip(need, groups):
+        table = []
+        if g >= 0:
+            if g not in shared:
+                shared[g] = [int(b) for b in perm[used : used + shared_blocks]]
+                used += shared_blocks
+            table = list(shared[g])
+        tables.append(table + [int(b) for b in perm[used : used + n - len(table)]])
+        used += n - len(table)
 
     def rounded(values: np.ndarray):
         """Device copy in `dtype` and the float64 host copy of exactly what the device holds."""

@@ -4,6 +4,8 @@ A custom kernel that is wrong gives plausible-looking but wrong answers, which i
 the kernels are used only on a Metal device, and only after they reproduce the portable path on probe
 batches (a decode batch for the per-token kernel and a mixed prefill batch with prefix hits for the tiled
 one). Any exception, non-finite value or mismatch is logged with the reason and the portable path is used.
+NVIDIA GPUs run the portable path tuned for fused SDPA (`gpu_portable_attention`): nothing is compiled or
+probed there, since no kernel of ours beats cuDNN's SDPA (docs/cuda_kernels.md).
 """
 
 from __future__ import annotations
@@ -84,13 +86,13 @@ def probe_kernel(kernel: AttentionFn, dtype: mx.Dtype = mx.float16) -> str | Non
     return None
 
 
-def _built_and_probed(label: str, load_kernel: Callable[[], AttentionFn], dtype: mx.Dtype,
+def _built_and_probed(load_kernel: Callable[[], AttentionFn], dtype: mx.Dtype,
                       probe: bool) -> tuple[AttentionFn | None, str | None]:
-    """(kernel, why it must not be used): the same build-then-probe gate for the Metal and CUDA kernels."""
+    """(kernel, why it must not be used): build, then check against the portable path."""
     try:
         kernel = load_kernel()
     except Exception as exc:
-        return None, f"{label} kernels failed to build: {type(exc).__name__}: {exc}"
+        return None, f"Metal kernels failed to build: {type(exc).__name__}: {exc}"
     return kernel, probe_kernel(kernel, dtype) if probe else None
 
 
@@ -115,47 +117,13 @@ def select_attention_backend(
     if not metal_available():
         return AttentionBackend("portable", "no Metal device: using the portable MLX path", paged_attention)
     portable = gpu_portable_attention(dtype)  # Metal's SDPA is fused too: the GPU's grouping and chunking
-    kernel, problem = _built_and_probed("Metal", load_kernel, dtype, probe)
+    kernel, problem = _built_and_probed(load_kernel, dtype, probe)
     if problem is not None:
         return _portable_because(problem, portable)
     if not probe:
         return AttentionBackend("metal", "Metal device; kernel probe skipped by request", kernel)
     log.info("Metal attention kernels match the portable path on the probe batches; using them")
     return AttentionBackend("metal", f"Metal kernels matched the portable path on the probe ({dtype})", kernel)
-
-
-# --- NVIDIA GPUs (MLX's CUDA backend) ----------------------------------------------------------------------
-FOLLOWER_MAX_Q = 128  # a batch whose sequences all continue a cached prefix with at most this many new tokens
-
-
-def batch_case(meta) -> str:
-    """"follower" (every sequence continues a cached prefix with a short query) or "prefill"."""
-    q_lens = meta.query_lens_host
-    cached = meta.context_lens_host - q_lens
-    return "follower" if meta.max_q_len <= FOLLOWER_MAX_Q and bool(np.all(cached > 0)) else "prefill"
-
-
-def timing_batches(dtype: mx.Dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
-    """One batch per case, shaped like the engine's work: two fresh 2,048-token clips; six 40-token
-    followers over a 2,048-token cached video prefix."""
-    rng = np.random.default_rng(20251123)
-    shape = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                 dtype=dtype)
-    return {"prefill": make_ragged_batch(rng, [2048, 2048], [0, 0], **shape),
-            "follower": make_ragged_batch(rng, [40] * 6, [2048] * 6, **shape)}
-
-
-def median_ms(fn, batch, repeats: int = 7) -> float:
-    import time
-
-    scale = batch.q.shape[-1] ** -0.5
-    mx.eval(fn(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale))  # compile / warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(fn(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale))
-        times.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times))
 
 
 GPU_QUERY_CHUNK = 4096  # query rows per SDPA call on a GPU in half precision (see gpu_portable_attention)
@@ -165,70 +133,10 @@ GPU_GROUP_ROWS = 1 << 16  # query rows of one grouped SDPA call there: above any
 def gpu_portable_attention(dtype: mx.Dtype) -> AttentionFn:
     """The portable path tuned for a GPU: in bf16/fp16 MLX's SDPA is a fused kernel (cuDNN on CUDA) that never
     materialises the score matrix, so the 512-row query chunks that bound CPU memory only add launches, a
-    grouped call may hold the whole batch, and K/V views are read as they are (no copy); fp32 falls back to
-    unfused ops there, so it keeps the CPU's settings."""
+    grouped call may hold the whole batch, K/V views are read as they are (no copy), and the followers of a
+    clip are folded into one call over their shared context (read once, not once per follower); fp32 falls
+    back to unfused ops there, so it keeps the CPU's settings."""
     if dtype in (mx.bfloat16, mx.float16):
         return functools.partial(paged_attention, query_chunk=GPU_QUERY_CHUNK, group_rows=GPU_GROUP_ROWS,
-                                 contiguous_kv=False)
+                                 contiguous_kv=False, fold_followers=True)
     return paged_attention
-
-
-@dataclass
-class PerCaseAttention:
-    """The faster correct implementation for each batch case (kernel or portable SDPA), chosen at start."""
-
-    choice: dict[str, str]  # case -> "kernel" | "portable"
-    kernel: AttentionFn
-    portable: AttentionFn = paged_attention
-
-    def __call__(self, q, k_cache, v_cache, meta, scale, new_kv=None):
-        if self.choice.get(batch_case(meta)) == "kernel":
-            try:
-                return self.kernel(q, k_cache, v_cache, meta, scale)
-            except ValueError:  # a launch the kernel refuses (grid limits): the portable path is always right
-                pass
-        return self.portable(q, k_cache, v_cache, meta, scale, new_kv=new_kv)
-
-
-def _load_cuda_kernel() -> AttentionFn:
-    from .kernels.cuda import cuda_paged_attention
-
-    return cuda_paged_attention
-
-
-def select_cuda_backend(
-    probe: bool = True,
-    *,
-    dtype: mx.Dtype = mx.bfloat16,
-    model_shape: dict | None = None,
-    load_kernel: Callable[[], AttentionFn] = _load_cuda_kernel,
-    timer: Callable[..., float] = median_ms,
-) -> AttentionBackend:
-    """The CUDA kernels when they match the portable path on the probes, per case only where they are faster.
-
-    `model_shape` (num_q_heads, num_kv_heads, head_dim, block_size) shapes the timing batches; without it the
-    kernels are used wherever they pass the probe. `load_kernel` and `timer` are injectable for CPU tests.
-    """
-    portable = gpu_portable_attention(dtype)
-    kernel, problem = _built_and_probed("CUDA", load_kernel, dtype, probe)
-    if problem is not None:
-        return _portable_because(problem, portable)
-    if model_shape is None:
-        return AttentionBackend("cuda", f"CUDA kernels matched the portable path on the probe ({dtype})",
-                                PerCaseAttention({"prefill": "kernel", "follower": "kernel"}, kernel, portable))
-    choice, notes = {}, []
-    for case, batch in timing_batches(dtype, **model_shape).items():
-        try:
-            k_ms, p_ms = timer(kernel, batch), timer(portable, batch)
-        except Exception as exc:
-            choice[case] = "portable"
-            notes.append(f"{case}: kernel raised {type(exc).__name__}")
-            continue
-        choice[case] = "kernel" if k_ms < p_ms else "portable"
-        notes.append(f"{case}: kernel {k_ms:.2f} ms vs SDPA {p_ms:.2f} ms")
-    used = [c for c, v in choice.items() if v == "kernel"]
-    name = "cuda" if used else "portable"
-    reason = (f"CUDA kernels matched the portable path on the probe ({dtype}); "
-              f"kernel used for {', '.join(used) or 'no case'} ({'; '.join(notes)})")
-    log.info(reason)
-    return AttentionBackend(name, reason, PerCaseAttention(choice, kernel, portable) if used else portable)

@@ -4,8 +4,8 @@ from __future__ import annotations
 from batchjob.nightly.definition import AlertConfig
 from batchjob.nightly.history import RunRecord
 
-RUN_EXIT = {0: "done", 1: "runtime failure or too many error rows", 2: "bad config, or another run holds the output", 130: "interrupted",
-            143: "terminated"}
+RUN_EXIT = {0: "done", 1: "runtime failure, too many error rows, or another run holds the output",
+            2: "bad config or damaged output: fix it, then rerun", 130: "interrupted", 143: "terminated"}
 
 
 def alerts_for(accuracy: float | None, rows_answered: int, error_rows: int, exit_status: int,

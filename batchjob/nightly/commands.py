@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from batchjob.config import ConfigError
@@ -45,17 +46,25 @@ def nightly(definition: Path = typer.Argument(..., help="nightly definition YAML
     """Run every job of a nightly definition, record each run in the history, alert on failure.
 
     Exit 0: every job done, no alert. 1: a job failed or an alert fired (on_failure ran). 1 also when
-    another run of this definition holds the lock (nothing is done). 2: the definition is invalid.
+    another run of this definition holds the lock (nothing is done). 2: the definition or a job config is
+    invalid (on_failure runs then too, when the definition names one).
     """
     from batchjob.config import night_date
-    from batchjob.nightly.definition import load_jobs
-    from batchjob.nightly.runner import NightlyBusy, lock_history, run_night
+    from batchjob.nightly.definition import load_definition, load_jobs
+    from batchjob.nightly.runner import NightlyBusy, alert_not_started, lock_history, run_night
 
-    d = _definition(definition)
     try:
         night = night_date(date)
+    except ConfigError as e:
+        raise _fail(str(e))
+    d = None
+    try:
+        d = load_definition(definition)
         configs = load_jobs(d, night)
     except ConfigError as e:
+        status = alert_not_started(definition, d, night, str(e))
+        if status not in (None, 0):
+            err.print(f"on_failure exited {status}")
         raise _fail(str(e))
     try:
         fd = lock_history(Path(d.history), d.name)
@@ -82,6 +91,8 @@ def history(definition: Path = typer.Argument(..., help="nightly definition YAML
     h = read_history(d.history)
     for bad in h.unreadable:
         err.print(f"[yellow]warning:[/] unreadable history file left out: {bad}", highlight=False)
+    if job is not None:
+        _known_job(d, h, job)
     recs = [r for r in reversed(h.records) if job is None or r.job == job][:limit]
     if as_json:
         print(json.dumps([r.as_json() for r in recs], indent=1))
@@ -95,6 +106,29 @@ def history(definition: Path = typer.Argument(..., help="nightly definition YAML
                   _num(r.rows_per_s, ".2f"), r.started_at.strftime("%Y-%m-%d %H:%M:%S"), r.model_hash or "-",
                   "; ".join(r.alerts) or "-", style="red" if r.failed else None)
     out.print(t)
+
+
+def _definition_jobs(d) -> list[str]:
+    """The job names of the definition's configs that load (best effort: a broken one is left out)."""
+    from batchjob.config import load_config
+
+    names = []
+    for path in d.jobs:
+        try:
+            names.append(load_config(path).job)
+        except ConfigError:
+            continue
+    return names
+
+
+def _known_job(d, h, job: str) -> None:
+    """--job must name a job of the definition or of its history: a typo is exit 2, not an empty answer."""
+    if job in h.jobs():
+        return
+    known = sorted(set(h.jobs()) | set(_definition_jobs(d)))
+    if job not in known:
+        raise _fail(f"--job: no job named {job!r} in {d.source} or its history (jobs: {', '.join(known) or 'none'})")
+    err.print(f"job {job!r} has no runs in the history yet", highlight=False)
 
 
 def _print_diff(job: str | None, df, max_rows: int) -> None:
@@ -145,9 +179,14 @@ def _last_diffs(d, job: str | None) -> dict:
     from batchjob.nightly.diff import diff_outputs
     from batchjob.nightly.history import last_two_outputs, read_history
 
+    from batchjob.pipeline.output import OutputDamaged
+
     h = read_history(d.history)
     jobs = [job] if job else h.jobs()
     if job and job not in h.jobs():
+        if job not in _definition_jobs(d):
+            raise _fail(f"--job: no job named {job!r} in {d.source} or its history (jobs: "
+                        f"{', '.join(sorted(set(h.jobs()) | set(_definition_jobs(d)))) or 'none'})")
         raise _fail(f"{d.source}: no run of job {job!r} in the history {d.history} (jobs there: "
                     f"{', '.join(h.jobs()) or 'none'})", code=1)
     diffs, missing = {}, []
@@ -158,7 +197,7 @@ def _last_diffs(d, job: str | None) -> dict:
             continue
         try:
             diffs[j] = diff_outputs(pair[0].output, pair[1].output)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, OutputDamaged) as e:
             missing.append(f"{j} ({e})")
     if not diffs:
         raise _fail(f"no job of {d.source} has two runs with different output directories in its history "
@@ -184,18 +223,42 @@ def diff(before: Optional[Path] = typer.Argument(None, help="the older job outpu
             raise _fail("give either two output directories or --last DEFINITION, not both")
         diffs = _last_diffs(_definition(last), job)
     else:
+        from batchjob.pipeline.output import OutputDamaged
+
         if before is None or after is None:
             raise _fail("give two output directories (older first), or --last DEFINITION")
         try:
             diffs = {None: diff_outputs(before, after)}
         except FileNotFoundError as e:
             raise _fail(str(e))
+        except OutputDamaged as e:
+            err.print(f"[bold red]damaged output:[/] {escape(str(e))}", highlight=False)
+            raise typer.Exit(2)
     if as_json:
         payload = {k or "": v.as_json() for k, v in diffs.items()}
         print(json.dumps(payload if last is not None else payload[""], indent=1, default=str))
         return
     for j, dfv in diffs.items():
         _print_diff(j, dfv, max_rows)
+
+
+def _check_jobs(d) -> None:
+    """Every job of the definition passes `validate`'s blocking checks now, not at 3 a.m."""
+    from batchjob.nightly.definition import load_jobs
+    from batchjob.preflight import missing_clips, preflight
+
+    try:
+        configs = load_jobs(d, None)
+    except ConfigError as e:
+        raise _fail(str(e))
+    for i, cfg in enumerate(configs):
+        try:
+            rows = preflight(cfg)
+        except ConfigError as e:
+            raise _fail(f"{d.source}: jobs.{i}: {e}")
+        missing = missing_clips(rows)
+        if missing.missing:
+            err.print(f"[yellow]warning:[/] {cfg.job}: {missing.describe()}", highlight=False)
 
 
 def schedule(definition: Path = typer.Argument(..., help="nightly definition YAML"),
@@ -205,7 +268,15 @@ def schedule(definition: Path = typer.Argument(..., help="nightly definition YAM
     from batchjob.nightly.schedule import (ScheduleError, cron_line, invocation, label, launchd_plist,
                                            systemd_units, unit_name)
 
+    from batchjob.preflight import check_output_dir
+
     d = _definition(definition)
+    _check_jobs(d)
+    if write_dir is not None:
+        try:
+            check_output_dir(write_dir, "--write-dir")
+        except ConfigError as e:
+            raise _fail(str(e))
     inv = invocation(d)
     Path(inv.log).parent.mkdir(parents=True, exist_ok=True)    # the scheduler appends to it
     try:
@@ -243,9 +314,16 @@ def html_report(definition: Path, target: Path) -> None:
     from batchjob.nightly.history import last_two_outputs, previous_run, read_history
     from batchjob.nightly.html_report import render_report
 
+    from batchjob.pipeline.output import OutputDamaged
+    from batchjob.preflight import check_output_file
+
     if not (definition.is_file() and is_definition(definition)):
         raise _fail(f"{definition}: --html needs a nightly definition (a YAML with jobs:, e.g. jobs/nightly.yaml)")
     d = _definition(definition)
+    try:
+        check_output_file(target, "--html", create_parents=True)
+    except ConfigError as e:
+        raise _fail(str(e))
     try:
         import plotly  # noqa: F401
     except ImportError:
@@ -257,8 +335,9 @@ def html_report(definition: Path, target: Path) -> None:
         if pair is not None:
             try:
                 diffs[job] = diff_outputs(pair[0].output, pair[1].output)
-            except FileNotFoundError:
-                pass
+            except (FileNotFoundError, OutputDamaged) as e:
+                err.print(f"[yellow]{job}: its outputs cannot be compared; left out:[/] {escape(str(e))}",
+                          highlight=False)
         latest = h.of_job(job)[-1]
         previous[job] = previous_run(h, job, before=latest.started_at)
     page = render_report(d.name, str(d.source), h, diffs, previous)

@@ -9,10 +9,10 @@ import re
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from batchjob.config import DATE_PLACEHOLDER, ConfigError, JobConfig, load_config
+from batchjob.yamlfile import YamlFileError, read_yaml
 
 # cron(8)'s nicknames; @reboot is not a time of night and has no calendar form.
 CRON_ALIASES = {"@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *",
@@ -127,25 +127,28 @@ def load_definition(path: str | Path) -> NightlyDefinition:
     if not path.is_file():
         raise DefinitionError(f"{path}: nightly definition not found")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise DefinitionError(f"{path}: not valid YAML: {err}") from None
+        raw = read_yaml(path, "nightly definition")
+    except YamlFileError as err:
+        raise DefinitionError(str(err)) from None
     return parse_definition(raw, path)
 
 
 def is_definition(path: Path) -> bool:
     """True when a YAML file is a nightly definition (it has `jobs:`), not a job config."""
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        raw = read_yaml(path, "YAML file")
+    except YamlFileError:
         return False
     return isinstance(raw, dict) and "jobs" in raw and "dataset" not in raw
 
 
 def dated_output(config: str | Path) -> bool:
     """Whether a job config writes a fresh dataset each night (`{date}` in output.directory)."""
-    raw = yaml.safe_load(Path(config).read_text())
-    out = (raw or {}).get("output") or {}
+    try:
+        raw = read_yaml(Path(config), "job config")
+    except YamlFileError:
+        return False
+    out = (raw if isinstance(raw, dict) else {}).get("output") or {}
     return isinstance(out, dict) and DATE_PLACEHOLDER in str(out.get("directory", ""))
 
 

@@ -128,12 +128,24 @@ def run_job_process(cfg: JobConfig, night: str, log: Path, term: _ChildTerm, *, 
 
 
 def _output_summary(directory: str) -> dict:
+    from batchjob.pipeline.output import OutputDamaged
     from batchjob.pipeline.report import summarize
 
     try:
         return summarize(directory)
-    except (FileNotFoundError, OSError):
+    except (FileNotFoundError, OSError, OutputDamaged):
         return {}
+
+
+def _output_errors(directory: str) -> int:
+    """Error rows in a job's whole output: those of earlier nights too, which `retry_errors` retries as well."""
+    from batchjob.pipeline.output import OutputDamaged
+    from batchjob.pipeline.retry import error_row_ids
+
+    try:
+        return len(error_row_ids(Path(directory)))
+    except (OSError, OutputDamaged):
+        return 0
 
 
 def build_record(*, d: NightlyDefinition, cfg: JobConfig, night: str, nightly_run_id: str, started: datetime,
@@ -156,9 +168,10 @@ def build_record(*, d: NightlyDefinition, cfg: JobConfig, night: str, nightly_ru
         ray_version=_version("ray"), host=socket.gethostname(), log=str(log) if log else None)
 
 
-def run_on_failure(command: str, summary: str, log: Path, env: dict[str, str]) -> int:
-    """The user's alert hook, summary on stdin; its own failure is logged, never fatal."""
-    with open(log, "ab") as fh:
+def run_on_failure(command: str, summary: str, log: Path | None, env: dict[str, str]) -> int:
+    """The user's alert hook, summary on stdin; its own failure is logged, never fatal. Without a log file its
+    output goes to our stderr (which the scheduler's line sends to nightly.log)."""
+    with (open(log, "ab") if log is not None else open(os.dup(sys.stderr.fileno()), "wb")) as fh:
         fh.write(f"[{datetime.now(timezone.utc).isoformat(timespec='seconds')}] on_failure: {command}\n".encode())
         fh.flush()
         try:
@@ -167,6 +180,39 @@ def run_on_failure(command: str, summary: str, log: Path, env: dict[str, str]) -
         except subprocess.TimeoutExpired:
             fh.write(f"on_failure timed out after {ON_FAILURE_TIMEOUT_S} s\n".encode())
             return 124
+
+
+def _raw_alert(path: Path) -> tuple[str | None, str | None, str]:
+    """on_failure, history folder and name from a definition that does not validate (best effort: a typo
+    elsewhere in the file must not silence the alert it asks for)."""
+    from batchjob.yamlfile import YamlFileError, read_yaml
+
+    try:
+        raw = read_yaml(path, "nightly definition")
+    except YamlFileError:
+        return None, None, path.stem
+    raw = raw if isinstance(raw, dict) else {}
+    alert = raw.get("alert") if isinstance(raw.get("alert"), dict) else {}
+    command = alert.get("on_failure") if isinstance(alert.get("on_failure"), str) and alert["on_failure"] else None
+    history = str((path.parent / raw["history"]).resolve()) if isinstance(raw.get("history"), str) else None
+    return command, history, str(raw.get("name") or path.stem)
+
+
+def alert_not_started(path: Path, d: NightlyDefinition | None, night: str, problem: str) -> int | None:
+    """A night that cannot start (its definition or a job config is invalid: exit 2) alerts like a failed one.
+    Returns on_failure's exit status, None when there is no hook to run."""
+    command, history, name = (d.alert.on_failure, d.history, d.name) if d is not None else _raw_alert(path)
+    if not command:
+        return None
+    summary = night_summary(name, night, [], {}, [f"the night did not start (exit 2): {problem}"])
+    log = None
+    if history:
+        try:
+            (Path(history) / "logs" / night).mkdir(parents=True, exist_ok=True)
+            log = Path(history) / "logs" / night / "on_failure.log"
+        except OSError:
+            log = None
+    return run_on_failure(command, summary, log, {"BATCHJOB_NIGHTLY": name, "BATCHJOB_NIGHT": night})
 
 
 def run_night(d: NightlyDefinition, configs: list[JobConfig], night: str,
@@ -189,13 +235,14 @@ def run_night(d: NightlyDefinition, configs: list[JobConfig], night: str,
             echo(f"[{night}] {cfg.job}: batchjob run {cfg.source} (log {log})")
             started = datetime.now(timezone.utc)
             code, stats = run_job_process(cfg, night, log, term)
-            if d.retry_errors and stats.get("error_rows") and not term.terminated:
-                # stats exist only when the run finished (exit 1 then means: too many error rows)
-                echo(f"[{night}] {cfg.job}: retrying {stats['error_rows']} error row(s)")
+            # stats exist only when the run finished (exit 1 then means: too many error rows). The output's
+            # error rows are retried, earlier nights' included: a grown dataset keeps them otherwise.
+            pending = _output_errors(cfg.output.directory) if d.retry_errors and stats and not term.terminated else 0
+            if pending:
+                echo(f"[{night}] {cfg.job}: retrying {pending} error row(s) in its output")
                 code2, stats2 = run_job_process(cfg, night, log, term, retry_errors=True)
                 if stats2:
-                    recovered = stats2.get("done_rows", 0) - stats2.get("error_rows", 0)
-                    stats = {**stats, "error_rows": max(stats["error_rows"] - recovered, 0)}
+                    stats = after_retry(stats, stats2)
                     code = _recheck(cfg, stats)
                 else:
                     code = code2 or 1
@@ -217,6 +264,13 @@ def run_night(d: NightlyDefinition, configs: list[JobConfig], night: str,
         status = run_on_failure(d.alert.on_failure, summary_text, logs / "on_failure.log",
                                 {"BATCHJOB_NIGHTLY": d.name, "BATCHJOB_NIGHT": night})
     return NightResult(records, summary_text, failed, status)
+
+
+def after_retry(first: dict, retry: dict) -> dict:
+    """The night's statistics once its error rows were retried: rows answered this night include the earlier
+    nights' error rows answered again; the error rows are those still failing after the retry."""
+    answered_again = max(retry.get("done_rows", 0) - first.get("error_rows", 0), 0)
+    return {**first, "done_rows": first.get("done_rows", 0) + answered_again, "error_rows": retry.get("error_rows", 0)}
 
 
 def _recheck(cfg: JobConfig, stats: dict) -> int:

@@ -13,12 +13,16 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from batchjob.config import ModelConfig, PromptConfig
-from batchjob.contract import BatchAnswers, ClipMetadata, DecodeStatus, EngineClip, EngineDescription, InputPreparer
+from batchjob.contract import (BatchAnswers, ClipMetadata, DecodeStatus, EngineClip, EngineDescription, InputPreparer,
+                               StartupStep)
+
+if TYPE_CHECKING:
+    from batchjob.loaders.transport import RemoteOptions
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ class Decoder:
     bottleneck on a GPU machine (see benchmarks/results); the price is torch's import once per decoder."""
 
     def __init__(self, loader: str, num_frames: int, loader_kwargs: dict[str, Any],
-                 prepare: InputPreparer | None = None):
+                 prepare: InputPreparer | None = None, remote: RemoteOptions | None = None):
         # A decoder holds no Ray GPU, and Ray leaves CUDA_VISIBLE_DEVICES alone for such workers: hide the
         # GPUs so no library opens a CUDA context (hundreds of MB each) on the engines' devices.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -46,6 +50,7 @@ class Decoder:
 
         self._load = load_video
         self.loader, self.num_frames, self.kwargs = loader, num_frames, dict(loader_kwargs)
+        self.remote = remote   # how clips named by URLs are read (retries, timeouts, the clip's I/O budget)
         self.node = _node_id()
         self.prepare = prepare
         if prepare is not None:
@@ -55,9 +60,13 @@ class Decoder:
                 log.warning("decoder on %s: input preparation unavailable (%s: %s); sending frames",
                             self.node, type(err).__name__, err)
                 self.prepare = None
+        self.ready_at = time.time()   # wall clock: the driver compares it with its own launch time
 
     def node_id(self) -> str:
         return self.node
+
+    def ready_time(self) -> float:
+        return self.ready_at
 
     def peak_rss_mb(self) -> float:
         from batchjob.pipeline.stats import peak_rss_mb
@@ -68,7 +77,8 @@ class Decoder:
         """(status, payload): the payload is the frames, or the engine's prepared input; None on failure."""
         t0 = time.perf_counter()
         try:
-            frames, meta = self._load(video, backend=self.loader, num_frames=self.num_frames, **self.kwargs)
+            frames, meta = self._load(video, backend=self.loader, num_frames=self.num_frames, remote=self.remote,
+                                      **self.kwargs)
         except Exception as err:  # LoaderError by contract; anything else is a loader bug, still one clip's loss
             return self._failed(f"decode failed: {type(err).__name__}: {err}", t0), None
         decode_ms = (time.perf_counter() - t0) * 1000.0
@@ -90,7 +100,9 @@ class Decoder:
 class EngineHost:
     """Holds one engine (model weights, KV cache) for the whole job."""
 
-    def __init__(self, model: ModelConfig, prompt: PromptConfig, cpus: float = 1.0):
+    def __init__(self, model: ModelConfig, prompt: PromptConfig, cpus: float = 1.0, created_at: float | None = None):
+        entered = time.time()
+        t0 = time.perf_counter()
         from batchjob.engine.process_setup import keep_torch_out, set_blas_threads
         from batchjob.pipeline.engines import resolve_engine
 
@@ -98,10 +110,20 @@ class EngineHost:
         if engine_cls.hides_torch:
             keep_torch_out()
         set_blas_threads(cpus)   # the CPUs Ray reserved for this actor, no more
+        t1 = time.perf_counter()
         self.engine = engine_cls.load(model, prompt)
+        self._host_steps = (StartupStep("actor_process", max(0.0, entered - created_at) if created_at else 0.0),
+                            StartupStep("engine_module", t1 - t0))
+        self._load_s = time.perf_counter() - t1
 
     def describe(self) -> EngineDescription:
-        return self.engine.describe()
+        """The engine's own description, its start-up completed with the host's steps (the process start and
+        the engine module's import) and whatever of its load the engine did not itemise."""
+        d = self.engine.describe()
+        itemised = sum(s.seconds for s in d.startup)
+        rest = (StartupStep("load_other", self._load_s - itemised),) if d.startup else (
+            StartupStep("load", self._load_s),)
+        return dataclasses.replace(d, startup=(*self._host_steps, *d.startup, *rest))
 
     def peak_rss_mb(self) -> float:
         from batchjob.pipeline.stats import peak_rss_mb
@@ -117,14 +139,14 @@ class EngineHost:
 
 
 def make_decoders(n: int, cpus: float, loader: str, num_frames: int, kwargs: dict[str, Any],
-                  prepare: InputPreparer | None = None) -> list:
+                  prepare: InputPreparer | None = None, remote: RemoteOptions | None = None) -> list:
     import ray
 
     # SPREAD: on a cluster, decoders land on different nodes (that is the point of scaling out).
     # max_restarts=-1: a decoder killed by a crashing codec comes back; its clip is retried once.
     cls = ray.remote(Decoder).options(num_cpus=cpus, max_restarts=-1, max_task_retries=0,
                                       scheduling_strategy="SPREAD")
-    return [cls.remote(loader, num_frames, kwargs, prepare) for _ in range(n)]
+    return [cls.remote(loader, num_frames, kwargs, prepare, remote) for _ in range(n)]
 
 
 def make_engines(n: int, cpus: float, model: ModelConfig, prompt: PromptConfig, gpus: float = 0.0) -> list:
@@ -134,4 +156,4 @@ def make_engines(n: int, cpus: float, model: ModelConfig, prompt: PromptConfig, 
     # max_restarts=0: a replica whose process died stays dead; the driver fails only the clips it held and
     # goes on with the others (a restart would reload the whole model, and a clip that killed it may again).
     cls = ray.remote(EngineHost).options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_task_retries=0)
-    return [cls.remote(model, prompt, cpus) for _ in range(n)]
+    return [cls.remote(model, prompt, cpus, time.time()) for _ in range(n)]

@@ -21,7 +21,7 @@ from batchjob.config import JobConfig
 from batchjob.contract import Answer, BatchAnswers, DecodeStatus, EngineClip
 from batchjob.pipeline.backpressure import Rates, may_start_decode, pick_replica, target_depth, wanted_depth
 from batchjob.pipeline.slots import DecoderSlots
-from batchjob.pipeline.stats import DepthSampler, RunStats, median_and_p90, peak_rss_mb
+from batchjob.pipeline.stats import DepthSampler, RunStats, fetch_summary, median_and_p90, peak_rss_mb
 from batchjob.pipeline.work import ClipWork, result_row, take_batch
 from batchjob.pipeline.workers import TaskFailed, WorkerLost, Workers
 
@@ -46,6 +46,7 @@ class Driver:
         # The run's start, for throughput in reports: the caller passes when the job began (Ray start-up
         # and model load included), so `batchjob report` shows what a user waits for.
         self.run_started_at = run_started_at or datetime.now(timezone.utc)
+        self.first_row_at: float | None = None   # perf_counter when the first row was written (start-up's end)
 
     # -- rows ------------------------------------------------------------------------------------
     def _emit(self, clip: ClipWork, answers: dict[str, Answer], engine_ms: float | None, error: str | None) -> None:
@@ -59,6 +60,8 @@ class Driver:
         self.stats.done_clips += 1
         self.stats.error_rows += sum(1 for r in rows if r["error"])
         self.write(rows)
+        if self.first_row_at is None:
+            self.first_row_at = time.perf_counter()
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self, clips: list[ClipWork]) -> None:
@@ -77,6 +80,7 @@ class Driver:
         self.rates, self.depths = Rates(), DepthSampler(n_eng)
         self._decode_ms: list[float] = []
         self._engine_ms: list[float] = []
+        self._fetched: list[tuple[int, int, int]] = []               # clips read from URLs: bytes, size, retries
         self._lost: str | None = None                                # why the last replica died
         self._unsent = self._unsent_rows = 0                         # clips (rows) never sent when all died
 
@@ -166,6 +170,9 @@ class Driver:
         s.queue_depth, s.queue_depth_by_replica = self.depths.summary()
         s.decode_ms_per_clip, s.decode_ms_per_clip_p90 = median_and_p90(self._decode_ms)
         s.engine_ms_per_clip, s.engine_ms_per_clip_p90 = median_and_p90(self._engine_ms)
+        fetched = fetch_summary(self._fetched)
+        if fetched:
+            s.fetched = {self.cfg.loader.name: fetched}
         s.dead_replicas = sorted(set(range(self.workers.num_engines)) - self.alive)
         s.peak_rss_mb = peak_rss_mb()
 
@@ -205,6 +212,10 @@ class Driver:
         if status.node:
             self.stats.decode_nodes.add(status.node)
         if status.ok:
+            extra = status.metadata.extra if status.metadata is not None else {}
+            if "fetched_bytes" in extra:
+                self._fetched.append((int(extra["fetched_bytes"]), int(extra.get("object_bytes", 0)),
+                                      int(extra.get("fetch_retries", 0))))
             self._decode_ms.append(status.busy_ms)
             self.rates.decoded(status.busy_ms)
             self._enqueue((clip, payload))

@@ -5,17 +5,22 @@ import os
 import platform
 import signal
 import threading
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
-from batchjob.config import ConfigError, JobConfig, check_paths
-from batchjob.datasets import Row, load_rows
+from batchjob.config import JobConfig
+from batchjob.contract import StartupStep
+from batchjob.datasets import Row
 from batchjob.pipeline.driver import Driver, RunStats
-from batchjob.pipeline.output import PartWriter, lock_output, prepare_output
-from batchjob.pipeline.retry import commit_retry, error_row_ids, staging_dir
+from batchjob.pipeline.output import PartWriter, lock_output, prepare_output, read_verified
+from batchjob.pipeline.resume import RESUME_COLUMNS, ResumePlan, answered_rows, plan_resume, rescore_rows
+from batchjob.pipeline.retry import RowSink, commit_retry, staging_writer
 from batchjob.pipeline.work import group_by_clip
+from batchjob.preflight import preflight, refuse_if_no_clip_exists
+from batchjob.startup import StepClock
 
 
 class EngineStartError(RuntimeError):
@@ -54,88 +59,108 @@ def versions() -> dict[str, str]:
     return out
 
 
-def preflight(cfg: JobConfig) -> list[Row]:
-    """Everything that can be checked without starting Ray; ConfigError (exit 2) names the key or file."""
-    from batchjob.loaders import list_loaders
-    from batchjob.pipeline.engines import resolve_engine
-
-    where = cfg.source or "config"
-    if cfg.loader.name not in list_loaders():
-        raise ConfigError(f"{where}: loader.name: unknown loader {cfg.loader.name!r}; "
-                          f"valid: {', '.join(list_loaders())}")
-    try:
-        resolve_engine(cfg.model.engine).check(cfg.model, cfg.prompt)
-    except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
-    check_paths(cfg)
-    rows = load_rows(cfg.dataset)
-    widest = max(len(r.options) for r in rows)
-    if widest > len(cfg.prompt.option_labels):
-        raise ConfigError(f"{where}: prompt.option_labels: {len(cfg.prompt.option_labels)} labels, but a question "
-                          f"has {widest} options; add labels")
-    return rows
+@dataclass(frozen=True)
+class RunOptions:
+    """How `batchjob run` treats the existing output. `retry_errors`: answer only the error rows (and edited
+    rows) again, in place; `repair`: move damaged parts aside and answer their rows again; `output_key`: how
+    messages name the output directory (`--output` when the flag set it)."""
+    restart: bool = False
+    retry_errors: bool = False
+    repair: bool = False
+    output_key: str | None = None
 
 
-def run_job(cfg: JobConfig, *, restart: bool = False, retry_errors: bool = False,
+def run_job(cfg: JobConfig, options: RunOptions = RunOptions(), *,
             on_start: Callable[[RunStats], None] | None = None,
             on_progress: Callable[[RunStats], None] | None = None) -> RunStats:
-    """Run (or resume) the job; rows already in the output are skipped. Returns this run's statistics.
-
-    `retry_errors`: run only the rows that are error rows in the output and replace them in place."""
+    """Run (or resume) the job; rows already in the output are skipped. Returns this run's statistics."""
     import time
 
+    from batchjob.startup import seconds_since_launch
+
     t0 = time.perf_counter()
+    launched = seconds_since_launch()
+    clock = StepClock(t0 - launched if launched is not None else t0)
+    clock.mark("launch")     # the interpreter, the CLI's imports (and its BLAS re-exec)
     started_at = datetime.now(timezone.utc)
-    rows = preflight(cfg)
+    rows = preflight(cfg, output_key=options.output_key)
+    clock.mark("preflight")
     manifest = {"job": cfg.job, "config": cfg.model_dump(), "versions": versions()}
     out_dir = Path(cfg.output.directory)
     lock_fd = lock_output(out_dir)
     try:
-        return _run_locked(cfg, rows, manifest, restart, t0, started_at, on_start, on_progress, retry_errors)
+        return _run_locked(cfg, rows, manifest, options, t0, started_at, on_start, on_progress, clock)
     finally:
         os.close(lock_fd)
 
 
-def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, t0: float, started_at: datetime,
-                on_start: Callable[[RunStats], None] | None,
-                on_progress: Callable[[RunStats], None] | None, retry_errors: bool = False) -> RunStats:
+def _resume(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOptions, stats: RunStats) -> ResumePlan:
+    """Read back the output, finish an interrupted replacement, plan the run, re-score edited answer keys."""
+    out_dir = Path(cfg.output.directory)
+    prepared = prepare_output(out_dir, cfg.fingerprint(), manifest, restart=options.restart, repair=options.repair,
+                              columns=RESUME_COLUMNS)
+    existing = prepared.existing
+    if commit_retry(out_dir):   # a replacement a crash interrupted (it moves rows, never adds or drops one)
+        existing = read_verified(out_dir, RESUME_COLUMNS)
+    plan = plan_resume(rows, answered_rows(existing), retry_errors=options.retry_errors)
+    refuse_if_no_clip_exists(cfg, [r for r in rows if r.row_id in plan.run], rows)
+    stats.repaired_parts = [d.path.name for d in prepared.moved]
+    stats.rescored_rows = rescore_rows(out_dir, plan.rescore)
+    stats.edited_rows, stats.retried_rows = plan.edited, plan.retried
+    stats.skipped_rows = len(rows) - len(plan.run)
+    return plan
+
+
+def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOptions, t0: float,
+                started_at: datetime, on_start: Callable[[RunStats], None] | None,
+                on_progress: Callable[[RunStats], None] | None, clock: StepClock | None = None) -> RunStats:
     import time
 
     import ray
 
+    from batchjob.engine.memory_budget import host_ram_bytes
     from batchjob.pipeline.actors import make_decoders, make_engines
     from batchjob.pipeline.engines import resolve_engine
     from batchjob.pipeline.ray_runtime import start_ray, stop_ray
-    from batchjob.pipeline.resources import cpus_to_start, ray_resources, resolve_runtime
+    from batchjob.pipeline.remote_inputs import remote_options
+    from batchjob.pipeline.resources import (cpus_to_start, host_reserved_bytes, object_store_bytes, ray_resources,
+                                             resolve_runtime)
     from batchjob.pipeline.workers import RayWorkers
+    from batchjob.startup import Startup
+
+    clock = clock or StepClock(t0)
 
     out_dir, fingerprint = Path(cfg.output.directory), cfg.fingerprint()
-    skip = prepare_output(out_dir, fingerprint, manifest, restart=restart)
-    commit_retry(out_dir)   # finish a retry that a crash interrupted (it moves rows, never adds or drops one)
-    write_dir = out_dir
-    if retry_errors:
-        skip = {r.row_id for r in rows} - error_row_ids(out_dir)
-        write_dir = staging_dir(out_dir)
+    stats = RunStats(total_rows=len(rows))
+    resume = _resume(cfg, rows, manifest, options, stats)
     loader, n, kw = cfg.loader.name, cfg.loader.num_frames, cfg.loader.kwargs
-    clips = group_by_clip(rows, skip, loader, n, kw)
+    clips = group_by_clip(rows, {r.row_id for r in rows} - resume.run, loader, n, kw)
     rt = cfg.runtime
-    stats = RunStats(total_rows=len(rows), skipped_rows=sum(r.row_id in skip for r in rows))
     if on_start:
         on_start(stats)
     if not clips:
         return stats
-    started = start_ray(rt.ray_address, cpus_to_start(cfg))
+    clock.mark("output_scan")     # the lock, the resume scan of the output, the clip plan
+    launched_wall = time.time() - (time.perf_counter() - clock.origin)
+    started = start_ray(rt.ray_address, cpus_to_start(cfg), object_store_bytes(rt.frames_in_flight, host_ram_bytes()))
+    clock.mark("ray_start")
     previous = _catch_sigterm()
-    writer: PartWriter | None = None
+    driver: Driver | None = None
+    stream_start: float | None = None
+    writer: RowSink | None = None
     decoders: list = []
     engines: list = []
     try:
         plan = resolve_runtime(cfg, ray_resources())     # `auto` becomes numbers from what Ray reports
         stats.decoders, stats.engines, stats.engine_gpus = plan.decoders, plan.engines, plan.engine_gpus
         engine_cls = resolve_engine(cfg.model.engine)
-        engines = make_engines(plan.engines, plan.engine_cpus, cfg.model, cfg.prompt, plan.engine_gpus)
+        model = cfg.model
+        if model.host_reserved_gb is None:   # the decoders and the object store share the engine's memory
+            reserved = host_reserved_bytes(plan.decoders, rt.frames_in_flight, host_ram_bytes())
+            model = model.model_copy(update={"host_reserved_gb": reserved / 2**30})
+        engines = make_engines(plan.engines, plan.engine_cpus, model, cfg.prompt, plan.engine_gpus)
         decoders = make_decoders(plan.decoders, plan.decode_cpus, loader, n, kw,
-                                 engine_cls.input_preparer(cfg.model))
+                                 engine_cls.input_preparer(cfg.model), remote_options(rt))
         try:
             described = ray.get([e.describe.remote() for e in engines])
         except ray.exceptions.RayError as err:
@@ -143,13 +168,18 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
             lines = [ln.strip() for ln in str(getattr(err, "cause", None) or err).splitlines() if ln.strip()]
             raise EngineStartError(f"engine {cfg.model.engine!r} could not load {cfg.model.checkpoint}: "
                                    f"{lines[-1] if lines else type(err).__name__}") from None
+        clock.mark("engine_load")    # actors created; every replica's model loaded (decoders start meanwhile)
         stats.model = described[0].model_id
+        stats.memory = dict(described[0].details.get("memory") or {})
         # Who answered goes into every part's metadata (next to the config and versions).
         engine_info = {"engine": described[0].engine, "model_id": described[0].model_id,
                        **dict(described[0].details)}
-        stats.engine_runtime = {k: str(v) for k, v in described[0].details.items()}
-        writer = parts = PartWriter(write_dir, {**manifest, "fingerprint": fingerprint, "engine": engine_info},
-                                    cfg.output.rows_per_part, cfg.output.flush_seconds)
+        stats.engine_runtime = {k: str(v) for k, v in described[0].details.items() if k != "memory"}
+        file_meta = {**manifest, "fingerprint": fingerprint, "engine": engine_info}
+        per_part, every = cfg.output.rows_per_part, cfg.output.flush_seconds
+        writer = parts = RowSink(PartWriter(out_dir, file_meta, per_part, every),
+                                 staging_writer(out_dir, file_meta, per_part, every) if resume.replace else None,
+                                 resume.replace)
         if _terminate.is_set():          # SIGTERM while the model loaded
             raise JobTerminated()
 
@@ -161,12 +191,20 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
             if on_progress:
                 on_progress(s)
 
-        Driver(cfg, RayWorkers(decoders, engines), stats.model, parts.add, stats, progress, started_at).run(clips)
+        driver = Driver(cfg, RayWorkers(decoders, engines), stats.model, parts.add, stats, progress, started_at)
+        stats.startup = Startup(engine=list(described[0].startup))
+        stream_start = clock.mark("writer")
+        driver.run(clips)
     finally:
         if writer is not None:
             writer.flush()   # finished rows are complete rows: keep them even when the run fails
             stats.actor_peak_rss_mb = _actor_peak_rss(engines, decoders)
-        if retry_errors:
+        if stats.startup is not None and stream_start is not None and driver.first_row_at is not None:
+            steps = [*clock.steps, StartupStep("first_answer", driver.first_row_at - stream_start)]
+            stats.startup.steps = steps
+            stats.startup.total_s = sum(s.seconds for s in steps)
+            stats.startup.overlapped = _decoders_ready(decoders, launched_wall)
+        if resume.replace:
             commit_retry(out_dir)
         stats.wall_s = time.perf_counter() - t0
         if started:
@@ -174,6 +212,22 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, restart: bool, 
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return stats
+
+
+def _decoders_ready(decoders: list, launched_wall: float) -> dict[str, float]:
+    """Seconds from launch until the decoders were ready (median and last): they start beside the engine's
+    load, off the critical path unless they are slower. Best effort, like the memory figures."""
+    import ray
+
+    try:
+        refs = [d.ready_time.remote() for d in decoders]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5) if refs else ([], [])
+        times = sorted(ray.get(r) - launched_wall for r in ready)
+    except Exception:
+        return {}
+    if not times:
+        return {}
+    return {"decoders_ready_median_s": times[len(times) // 2], "decoders_ready_last_s": times[-1]}
 
 
 def _actor_peak_rss(engines: list, decoders: list) -> dict[str, list[float]]:

@@ -23,6 +23,7 @@ def engine_config(model: ModelConfig, prompt: PromptConfig):
     return EngineConfig(dtype=model.dtype, device=model.device, min_pixels=model.min_pixels, max_pixels=model.max_pixels,
                         max_num_batched_tokens=model.max_num_batched_tokens, max_model_len=model.max_model_len,
                         memory_budget_gb=model.memory_budget_gb, temporal_step=model.temporal_step,
+                        host_reserved_bytes=int((model.host_reserved_gb or 0) * 2**30),
                         timestamps=model.timestamps, option_labels=tuple(prompt.option_labels), system_prompt=prompt.system, **extra)
 
 
@@ -82,10 +83,17 @@ class MlxEngine(EngineBase):
         check_engine_config(model, prompt)
 
     @classmethod
+    def check_local(cls, model: ModelConfig) -> None:
+        check_budget_fits(model)
+
+    @classmethod
     def load(cls, model: ModelConfig, prompt: PromptConfig) -> "MlxEngine":
+        from batchjob.startup import StepClock
+
+        clock = StepClock()   # its first step ("imports") covers MLX's import too
         from batchjob.engine import Classifier
 
-        return cls(Classifier.from_pretrained(model.checkpoint, engine_config(model, prompt)), model)
+        return cls(Classifier.from_pretrained(model.checkpoint, engine_config(model, prompt), clock), model)
 
     def __init__(self, classifier, model: ModelConfig):
         self._clf = classifier
@@ -95,7 +103,8 @@ class MlxEngine(EngineBase):
     def describe(self) -> EngineDescription:
         return EngineDescription("mlx", self.model_id, {
             **self._clf.runtime.as_dict(),   # device, dtype, attention backend and why it was chosen
-            "temporal_step": self._model.temporal_step, "timestamps": self._model.timestamps})
+            "temporal_step": self._model.temporal_step, "timestamps": self._model.timestamps,
+            "memory": self._clf.memory.as_dict()}, startup=self._clf.startup)
 
     def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:
         from batchjob.engine import ClassifyRequest, Clip, VideoInputs
@@ -112,6 +121,51 @@ class MlxEngine(EngineBase):
             requests += [ClassifyRequest(q.row_id, engine_clip, q.text, q.options) for q in c.job.questions]
         return [Answer(r.request_id, r.choice, r.probs, r.prompt_tokens, r.cached_tokens, r.error)
                 for r in self._clf.classify(requests)]
+
+
+_THIS_MACHINE = "this machine"
+
+
+def check_budget_fits(model: ModelConfig, device=_THIS_MACHINE) -> None:
+    """ConfigError when `model.memory_budget_gb` is more than this machine's device holds (the same rule the
+    engine applies at load, where it can be known without starting the device). `device`: the DeviceMemory to
+    check against, None when unknown (the engine checks at load), default what this machine has."""
+    from batchjob.config import ConfigError
+    from batchjob.engine.memory_budget import MemoryBudgetError, choose_budget, local_device_memory
+
+    if model.memory_budget_gb is None:
+        return
+    if device == _THIS_MACHINE:
+        device = local_device_memory(model.device)
+    if device is None:
+        return
+    try:
+        choose_budget(device, model.memory_budget_gb, checkpoint_weights_bytes(model, device.device))
+    except MemoryBudgetError as err:
+        raise ConfigError(str(err)) from None
+
+
+def checkpoint_weights_bytes(model: ModelConfig, device: str) -> int:
+    """The weights' bytes at the dtype the engine will run (from config.json's shapes alone); 0 when the
+    checkpoint is not a local directory of a family whose layout we can count."""
+    import json
+
+    from batchjob.engine.footprint import SUPPORTED, Quantization, weights_bytes
+
+    path = Path(model.checkpoint).expanduser() / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0
+    if config.get("model_type") not in SUPPORTED:
+        return 0
+    q = config.get("quantization")
+    quant = Quantization(int(q["bits"]), int(q.get("group_size", 64))) if isinstance(q, dict) and "bits" in q else None
+    dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(model.dtype, 4 if device == "cpu" else 2)
+    try:
+        return weights_bytes(config, quant, dtype_bytes, engine=True)
+    except (KeyError, TypeError, ValueError):
+        return 0
 
 
 # EngineConfig fields -> the job config keys that set them (for errors that name the key to edit).

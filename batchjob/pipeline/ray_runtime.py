@@ -18,8 +18,9 @@ def ray_env_defaults() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-def start_ray(address: str | None, cpus_needed: float) -> bool:
-    """Connect to Ray; returns True when this process started (and so must stop) a local instance."""
+def start_ray(address: str | None, cpus_needed: float, object_store_memory: int | None = None) -> bool:
+    """Connect to Ray; returns True when this process started (and so must stop) a local instance.
+    `object_store_memory` sizes a local instance's store (None: Ray's default); a cluster keeps its own."""
     ray_env_defaults()
     import ray
 
@@ -35,7 +36,8 @@ def start_ray(address: str | None, cpus_needed: float) -> bool:
     # Enough logical CPUs for every actor we ask for, even on a 2-core laptop: the OS shares the cores.
     # GPUs are left to Ray's own detection (it honours CUDA_VISIBLE_DEVICES), so engines can ask for them.
     num_cpus = max(local_cpus(), math.ceil(cpus_needed))
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", **quiet)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=object_store_memory, **quiet)
     return True
 
 

@@ -86,6 +86,28 @@ def cpus_to_start(cfg: JobConfig) -> float:
     return decoders * rt.decode_cpus + engines * rt.engine_cpus
 
 
+OBJECT_STORE_PER_CLIP = 256 * 2**20   # a 16-frame 1080p clip is ~100 MB of frames, its prepared input ~40 MB
+OBJECT_STORE_MIN = 2 * 2**30
+OBJECT_STORE_HOST_SHARE = 0.3         # Ray's own default: 30% of RAM
+
+
+def object_store_bytes(frames_in_flight: int, host_ram: int) -> int:
+    """A local Ray's object store, sized from what the job keeps in flight (frames_in_flight clips' payloads
+    and their answers) instead of Ray's 30% of RAM: the store is set up at start (a larger one starts slower)
+    and its pages are host memory the decoders and the OS compete for. Never above Ray's own default."""
+    want = max(OBJECT_STORE_MIN, frames_in_flight * OBJECT_STORE_PER_CLIP)
+    return int(min(want, host_ram * OBJECT_STORE_HOST_SHARE))
+
+
+DECODER_RESIDENT = 512 * 2**20   # a decoder process's resident memory (interpreter, PyAV, numpy, a clip)
+
+
+def host_reserved_bytes(decoders: int, frames_in_flight: int, host_ram: int) -> int:
+    """What the job's processes beside the engine hold on its machine: the decoders and Ray's object store. On
+    Apple silicon (and on a CPU) that is the memory the engine's budget comes from, so the engine leaves it."""
+    return decoders * DECODER_RESIDENT + object_store_bytes(frames_in_flight, host_ram)
+
+
 def ray_resources() -> Resources:
     """The CPUs and GPUs of the Ray instance this process is connected to."""
     import ray

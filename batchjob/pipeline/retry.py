@@ -1,10 +1,12 @@
-"""`batchjob run --retry-errors`: answer the error rows again and swap the answers in, each row exactly once.
+"""Replacing answered rows in place: error rows answered again (`run --retry-errors`), and rows whose question
+or options were edited in the dataset since they were answered.
 
-Retried rows are first written as complete parts into a staging folder inside the output, which readers
-never list. Then every part that holds one of those error rows is rewritten with the new rows in their
-place and renamed over the old part: one rename swaps a part's rows, so at every instant each row is in
-the output exactly once (old or new). The commit is idempotent; a run killed anywhere leaves staged rows
-that the next run of the job commits before it does anything else.
+New answers for rows already in the output are first written as complete parts into a staging folder inside
+the output, under a name no reader's glob takes (`_retry/part-00000.parquet.staged`). Then every part that
+holds one of those rows is rewritten with the new rows in their place and renamed over the old part: one
+rename swaps a part's rows, so at every instant each row is in the output exactly once (old or new). The
+commit is idempotent; a run killed anywhere leaves staged rows that the next run of the job commits before
+it does anything else.
 """
 from __future__ import annotations
 
@@ -12,12 +14,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from batchjob.pipeline.output import SCHEMA, atomic_write, complete_parts
+from batchjob.pipeline.output import (PartUnreadable, PartWriter, complete_parts, read_part, read_verified,
+                                      rewrite_parts)
 
 STAGING = "_retry"
+STAGED = ".parquet.staged"
 
 
 def staging_dir(directory: Path) -> Path:
@@ -26,20 +27,24 @@ def staging_dir(directory: Path) -> Path:
     return path
 
 
+def staging_writer(directory: Path, file_metadata: dict[str, Any], rows_per_part: int,
+                   flush_seconds: float) -> PartWriter:
+    return PartWriter(staging_dir(directory), file_metadata, rows_per_part, flush_seconds, suffix=STAGED)
+
+
 def error_row_ids(directory: Path) -> set[str]:
     """Row ids whose row in the output is an error row."""
-    ids: set[str] = set()
-    for part in complete_parts(directory):
-        t = pq.read_table(part, columns=["row_id", "error"])
-        ids.update(r for r, e in zip(t.column("row_id").to_pylist(), t.column("error").to_pylist()) if e)
-    return ids
+    t = read_verified(directory, ["row_id", "error"])
+    if t is None:
+        return set()
+    return {r for r, e in zip(t.column("row_id").to_pylist(), t.column("error").to_pylist()) if e}
 
 
 def replace_rows(rows: list[dict[str, Any]], staged: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """The part's rows with each error row that has a staged retry swapped for it (order kept)."""
+    """The part's rows with each row that has a staged replacement swapped for it (order kept)."""
     out, n = [], 0
     for r in rows:
-        new = staged.get(r["row_id"]) if r["error"] else None
+        new = staged.get(r["row_id"])
         if new is not None and new != r:
             out.append(new)
             n += 1
@@ -48,27 +53,30 @@ def replace_rows(rows: list[dict[str, Any]], staged: dict[str, dict[str, Any]]) 
     return out, n
 
 
+def _staged_parts(staging: Path) -> list[Path]:
+    # `.parquet` parts are what versions before the `.staged` suffix staged
+    return complete_parts(staging, STAGED) + complete_parts(staging)
+
+
 def commit_retry(directory: Path) -> int:
-    """Move staged retried rows into place; returns how many rows were replaced (0 when nothing is staged)."""
+    """Move staged rows into place; returns how many rows were replaced (0 when nothing is staged).
+
+    A staged part that cannot be read back is dropped: its rows keep their old answers in the output and
+    the next `--retry-errors` (or resume of an edited row) answers them again."""
     staging = directory / STAGING
     if not staging.is_dir():
         return 0
     for tmp in staging.glob("*.tmp"):
         tmp.unlink()
     staged: dict[str, dict[str, Any]] = {}
-    for part in complete_parts(staging):
-        for row in pq.read_table(part, schema=SCHEMA).to_pylist():
-            staged[row["row_id"]] = row
-    replaced = 0
-    if staged:
-        for part in complete_parts(directory):
-            meta = pq.read_schema(part).metadata
-            rows, n = replace_rows(pq.read_table(part, schema=SCHEMA).to_pylist(), staged)
-            if n:
-                table = pa.Table.from_pylist(rows, schema=SCHEMA).replace_schema_metadata(meta)
-                atomic_write(part, lambda fh: pq.write_table(table, fh))
-                replaced += n
-    for part in complete_parts(staging):     # every staged row is in place now
+    for part in _staged_parts(staging):
+        try:
+            for row in read_part(part).to_pylist():
+                staged[row["row_id"]] = row
+        except PartUnreadable:
+            continue
+    replaced = rewrite_parts(directory, lambda rows: replace_rows(rows, staged)) if staged else 0
+    for part in _staged_parts(staging):     # every staged row is in place now
         part.unlink()
     staging.rmdir()
     fd = os.open(directory, os.O_RDONLY)
@@ -77,3 +85,29 @@ def commit_retry(directory: Path) -> int:
     finally:
         os.close(fd)
     return replaced
+
+
+class RowSink:
+    """Where a run's rows go: rows new to the output into it, rows replacing ones it holds into the staging
+    folder (committed at the end of the run, or by the next run if this one dies)."""
+
+    def __init__(self, output: PartWriter, staging: PartWriter | None, replace: frozenset[str]):
+        self.output, self.staging, self.replace = output, staging, replace
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        new = [r for r in rows if r["row_id"] not in self.replace]
+        if new:
+            self.output.add(new)
+        if len(new) < len(rows):
+            assert self.staging is not None, "a replacement row without a staging folder"
+            self.staging.add([r for r in rows if r["row_id"] in self.replace])
+
+    def maybe_flush(self) -> None:
+        for w in (self.output, self.staging):
+            if w is not None:
+                w.maybe_flush()
+
+    def flush(self) -> None:
+        for w in (self.output, self.staging):
+            if w is not None:
+                w.flush()

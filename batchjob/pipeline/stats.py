@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from batchjob.startup import Startup
+
 BUSY_ENOUGH = 0.75   # a stage busier than this (per worker, over the stream) is what bounded the run
 
 
@@ -21,6 +23,10 @@ BUSY_ENOUGH = 0.75   # a stage busier than this (per worker, over the stream) is
 class RunStats:
     total_rows: int = 0          # rows in the dataset (after limit)
     skipped_rows: int = 0        # already in the output (resume)
+    edited_rows: int = 0         # answered again: their question or options were edited in the dataset
+    rescored_rows: int = 0       # re-scored in place: their answer key or category was edited
+    retried_rows: int = 0        # error rows answered again (--retry-errors)
+    repaired_parts: list[str] = field(default_factory=list)   # damaged parts --repair moved to _damaged/
     done_rows: int = 0           # written by this run
     done_clips: int = 0          # clips whose rows this run wrote
     error_rows: int = 0
@@ -45,7 +51,18 @@ class RunStats:
     engine_ms_per_clip: float | None = None                       # a batch's engine time / its clips
     engine_ms_per_clip_p90: float | None = None
     peak_rss_mb: float = 0.0                                      # the driver process
+    fetched: dict[str, dict[str, float]] = field(default_factory=dict)  # loader -> network cost of URL clips
     actor_peak_rss_mb: dict[str, list[float]] = field(default_factory=dict)   # engines, decoders (best effort)
+    memory: dict[str, Any] = field(default_factory=dict)          # the engine's budget, its source, KV blocks
+    startup: Startup | None = None                                # launch to first answer, step by step
+
+    @property
+    def host_peak_mb(self) -> float | None:
+        """The job's processes' peak resident memory added up (driver, engines, decoders; each its own peak,
+        so an upper bound on their simultaneous use); None until the actors reported."""
+        if not self.actor_peak_rss_mb:
+            return None
+        return self.peak_rss_mb + sum(sum(v) for v in self.actor_peak_rss_mb.values())
 
     @property
     def rows_per_s(self) -> float:
@@ -79,8 +96,9 @@ class RunStats:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values for `batchjob run --stats-json` (monitoring, benchmarks)."""
-        out = {k: v for k, v in vars(self).items() if k != "decode_nodes"}
+        out = {k: v for k, v in vars(self).items() if k not in ("decode_nodes", "startup")}
         return {**out, "decode_nodes": sorted(self.decode_nodes), "rows_per_s": self.rows_per_s,
+                "startup": self.startup.as_dict() if self.startup else None, "host_peak_mb": self.host_peak_mb,
                 "overlap_efficiency": self.overlap_efficiency if self.done_rows else None,
                 "gpu_busy": self.gpu_busy, "engine_busy_by_replica": self.engine_busy_by_replica,
                 "bound_by": self.bound_by}
@@ -102,6 +120,19 @@ def median_and_p90(values: Sequence[float]) -> tuple[float | None, float | None]
         return None, None
     arr = np.asarray(values, dtype=float)
     return float(np.median(arr)), float(np.percentile(arr, 90))
+
+
+def fetch_summary(samples: Sequence[tuple[int, int, int]]) -> dict[str, float] | None:
+    """What the clips read from URLs cost on the network, from (fetched bytes, object bytes, retried requests)
+    per clip: MB per clip (median, p90), the median fraction of each file fetched, totals."""
+    if not samples:
+        return None
+    arr = np.asarray(samples, dtype=float)
+    mb, mb_p90 = median_and_p90(arr[:, 0] / 1e6)
+    sized = arr[arr[:, 1] > 0]
+    return {"clips": len(samples), "mb_per_clip": mb, "mb_per_clip_p90": mb_p90,
+            "file_fraction": float(np.median(sized[:, 0] / sized[:, 1])) if len(sized) else None,
+            "total_mb": float(arr[:, 0].sum() / 1e6), "retries": int(arr[:, 2].sum())}
 
 
 def weighted_summary(durations: Counter) -> dict[str, float] | None:
@@ -140,7 +171,18 @@ class DepthSampler:
         return weighted_summary(self.total), [weighted_summary(c) for c in self.per_replica]
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory (ru_maxrss is KiB on Linux, bytes on macOS)."""
+def peak_rss_mb(status_file: str = "/proc/self/status") -> float:
+    """This process's own peak resident memory.
+
+    Linux: `VmHWM`, the high-water mark of this process image. Not `ru_maxrss`: it survives fork + exec, so a
+    process started by one that once held 15 GB reports 15 GB whatever it used itself. Elsewhere ru_maxrss
+    (bytes on macOS), the best the system offers."""
+    try:
+        with open(status_file) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024   # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024

@@ -43,8 +43,10 @@ def llm_kwargs(model: ModelConfig) -> dict[str, Any]:
         model=model.checkpoint, dtype=model.dtype, tensor_parallel_size=settings.tensor_parallel_size,
         gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
         enable_prefix_caching=True, limit_mm_per_prompt={"video": settings.max_videos_per_prompt, "image": 0},
-        logprobs_mode="processed_logprobs", seed=settings.seed, max_num_batched_tokens=model.max_num_batched_tokens,
+        logprobs_mode="processed_logprobs", seed=settings.seed,
     )
+    if model.max_num_batched_tokens != "auto":   # auto: vLLM's own choice
+        kwargs["max_num_batched_tokens"] = model.max_num_batched_tokens
     if settings.max_model_len is not None:
         kwargs["max_model_len"] = settings.max_model_len
     if settings.max_num_seqs is not None:

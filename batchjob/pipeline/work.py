@@ -65,6 +65,12 @@ def group_by_clip(rows: Sequence[Row], skip: set[str], loader: str, num_frames: 
             for video, group in groups.items()]
 
 
+def score(choice: int | None, answer: int | None) -> bool | None:
+    """Whether a prediction is correct: None when the dataset has no answer; a missing prediction (an error
+    row) is wrong, so lost clips never flatter the accuracy."""
+    return None if answer is None else choice == answer
+
+
 def result_row(row: Row, answer: Answer | None, *, labels: Sequence[str], loader: str, num_frames: int,
                decode: DecodeStatus | None, engine_ms: float | None, model: str, run_id: str,
                run_started_at: datetime, finished_at: datetime, error: str | None = None) -> dict[str, Any]:
@@ -78,7 +84,7 @@ def result_row(row: Row, answer: Answer | None, *, labels: Sequence[str], loader
         "answer": row.answer, "category": row.category,
         "pred_index": choice, "pred_letter": labels[choice] if choice is not None else None,
         "probs": list(answer.probs) if answer and not err else None,
-        "correct": None if row.answer is None else (choice == row.answer),
+        "correct": score(choice, row.answer),
         "loader": loader, "num_frames": num_frames,
         "frame_indices": decode.frames_indices if decode else None, "decode_ms": decode.decode_ms if decode else None,
         "engine_ms": engine_ms,

@@ -22,7 +22,7 @@ import av
 import numpy as np
 
 Codec = Literal["h264", "hevc", "vp9", "av1", "mpeg4"]
-Pattern = Literal["counter", "motion"]
+Pattern = Literal["counter", "motion", "noisy"]
 
 COUNTER_BITS = 16  # enough for a 600 s clip at 30 fps (18,000 frames)
 _ENCODERS = {"h264": "libx264", "hevc": "libx265", "vp9": "libvpx-vp9", "av1": "libsvtav1", "mpeg4": "mpeg4"}
@@ -90,6 +90,8 @@ def draw_frame(index: int, width: int, height: int, *, pattern: Pattern = "count
     "counter": gradient background, counter bits on top, a square on a diagonal path.
     "motion": plain background and one coloured square crossing the frame left-to-right (direction=1) or
     right-to-left (direction=-1) over the clip, for questions a model can answer.
+    "noisy": "counter" under fresh per-frame noise, as a camera's sensor adds it: every picture costs bits, so
+    the file has a real camera's bitrate and its keyframes are a small part of it (remote-read tests).
     """
     img = np.empty((height, width, 3), np.uint8)
     side = max(4, min(width, height) // 4)
@@ -102,6 +104,12 @@ def draw_frame(index: int, width: int, height: int, *, pattern: Pattern = "count
         y0 = (height - side) // 2
         img[y0:y0 + side, x0:x0 + side] = color
         return img
+    if pattern == "noisy":
+        img = draw_frame(index, width, height, pattern="counter", color=color)
+        noise = np.random.default_rng(index).integers(-24, 25, size=img.shape, dtype=np.int16)
+        cw, ch = _counter_cells(width, height)
+        noise[:ch] = 0   # the counter bits stay readable
+        return np.clip(img.astype(np.int16) + noise, 0, 255).astype(np.uint8)
     img[..., :2] = _gradient(width, height)
     img[..., 2] = (index * 7) % 256
     x0 = (index * 3) % max(1, width - side)

@@ -12,9 +12,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-from batchjob.config import ModelConfig, PromptConfig
-from batchjob.pipeline.mlx_engine import MlxEngine, engine_config
-
 RANDOM_DIR = "random"   # <checkpoint>/random/config.json: the shape to build
 
 # Qwen2.5-VL-7B-Instruct's published shape.
@@ -23,6 +20,14 @@ QWEN25_VL_7B = dict(hidden=3584, layers=28, heads=28, kv_heads=4, inter=18944, v
 # The same code path on a CPU in seconds (figures from it mean nothing).
 SMOKE = dict(hidden=256, layers=2, heads=4, kv_heads=2, inter=512, v_depth=4, v_hidden=128, v_heads=2,
              v_inter=256, fullatt=(1, 3))
+# Qwen3-VL-8B-Instruct's published shape (its config.json: text_config / vision_config).
+QWEN3_VL_8B = dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, inter=12288, mrope=(24, 20, 20),
+                   rope_theta=5e6, v_depth=27, v_hidden=1152, v_heads=16, v_inter=4304, patch=16,
+                   deepstack=(8, 16, 24), v_positions=2304)
+SMOKE_QWEN3 = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, inter=512, mrope=(12, 10, 10),
+                   rope_theta=5e6, v_depth=4, v_hidden=128, v_heads=2, v_inter=256, patch=16, deepstack=(0, 1, 2),
+                   v_positions=64)
+SHAPES = {"qwen2_5_vl": (QWEN25_VL_7B, SMOKE), "qwen3_vl": (QWEN3_VL_8B, SMOKE_QWEN3)}   # (published, smoke)
 
 
 def scaled_config(tiny_config: dict, dims: dict, layers: int, vision_layers: int) -> dict:
@@ -30,6 +35,8 @@ def scaled_config(tiny_config: dict, dims: dict, layers: int, vision_layers: int
     (token ids, vocabulary and processor settings stay the tiny tokenizer's)."""
     if not 1 <= layers or not 1 <= vision_layers:
         raise ValueError(f"layers ({layers}) and vision_layers ({vision_layers}) must be >= 1")
+    if tiny_config.get("model_type") == "qwen3_vl":
+        return _scaled_qwen3(tiny_config, dims, layers, vision_layers)
     cfg = json.loads(json.dumps(tiny_config))
     head_dim = dims["hidden"] // dims["heads"]
     half = head_dim // 2
@@ -42,6 +49,25 @@ def scaled_config(tiny_config: dict, dims: dict, layers: int, vision_layers: int
                                 intermediate_size=dims["v_inter"], out_hidden_size=dims["hidden"],
                                 fullatt_block_indexes=[i for i in dims["fullatt"] if i < vision_layers],
                                 initializer_range=0.02)
+    return cfg
+
+
+def _scaled_qwen3(tiny_config: dict, dims: dict, layers: int, vision_layers: int) -> dict:
+    """The nested Qwen3-VL layout (text_config / vision_config) reshaped to `dims`; DeepStack taps past the cut
+    are dropped."""
+    cfg = json.loads(json.dumps(tiny_config))
+    cfg["text_config"].update(hidden_size=dims["hidden"], num_hidden_layers=layers, num_attention_heads=dims["heads"],
+                              num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"],
+                              intermediate_size=dims["inter"], rope_theta=dims["rope_theta"], dtype="bfloat16",
+                              initializer_range=0.02)
+    cfg["text_config"]["rope_scaling"] = {"rope_type": "default", "mrope_section": list(dims["mrope"]),
+                                          "mrope_interleaved": True}
+    cfg["vision_config"].update(depth=vision_layers, hidden_size=dims["v_hidden"], num_heads=dims["v_heads"],
+                                intermediate_size=dims["v_inter"], out_hidden_size=dims["hidden"],
+                                patch_size=dims["patch"], num_position_embeddings=dims["v_positions"],
+                                deepstack_visual_indexes=[i for i in dims["deepstack"] if i < vision_layers],
+                                initializer_range=0.02)
+    cfg["dtype"] = "bfloat16"
     return cfg
 
 
@@ -70,6 +96,32 @@ def build_random_model(config_dir: Path, dtype):
     return model
 
 
+def write_random_checkpoint(path: str | Path, dims: dict, layers: int, vision_layers: int, *,
+                            max_pixels: int | None = None, dtype: str = "bfloat16") -> Path:
+    """A real checkpoint directory on disk in `dims`' shape: the tiny checkpoint's tokenizer and processor
+    settings, the scaled config, random weights saved as safetensors shards by mlx-vlm (its own layout, as
+    mlx-community's checkpoints are). What a user's downloaded checkpoint is to `batchjob run`, at that size."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx_vlm.utils import save_weights
+
+    from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
+
+    path = Path(path)
+    if path.exists():
+        shutil.rmtree(path)
+    write_tiny_checkpoint(path, TinyModelSpec(model_type="qwen2_5_vl", max_pixels=max_pixels or 448 * 448,
+                                              min_pixels=28 * 28 * 4))
+    tiny = json.loads((path / "config.json").read_text())
+    for f in path.glob("*.safetensors*"):
+        f.unlink()
+    (path / "config.json").write_text(json.dumps(scaled_config(tiny, dims, layers, vision_layers), indent=1))
+    model = build_random_model(path, getattr(mx, dtype))
+    save_weights(path, model, donate_weights=True)
+    return path
+
+
 def random_classifier(checkpoint: str | Path, config):
     """A `Classifier` over the random model described in `checkpoint/random/config.json`.
 
@@ -94,15 +146,18 @@ def random_classifier(checkpoint: str | Path, config):
         raise EngineError(f"{config_dir / 'config.json'}: model_type {big.get('model_type')!r} differs from the "
                           f"checkpoint's {tiny.model_type!r}")
     model = build_random_model(config_dir, tiny.dtype)
+    tiny.family.hf_config = big   # what the family reads of the model (DeepStack taps) is the big model's
     tiny.family.fix_model(model)
     ckpt = dataclasses.replace(tiny, model=model, hf_config=big, model_id=f"random:{path.name}",
                                weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())))
     return Classifier(ckpt, config)
 
 
-class RandomWeightsEngine(MlxEngine):
-    """`MlxEngine` whose `load` builds the random model in the engine actor (decoders prepare inputs alike)."""
+def __getattr__(name: str):
+    """`RandomWeightsEngine` on first use: it is a pipeline engine (pydantic, the contract), while the shapes and
+    builders above are all a GPU benchmark needs, on a machine whose image may lack the pipeline's packages."""
+    if name == "RandomWeightsEngine":
+        from .random_weights_engine import RandomWeightsEngine
 
-    @classmethod
-    def load(cls, model: ModelConfig, prompt: PromptConfig) -> "RandomWeightsEngine":
-        return cls(random_classifier(model.checkpoint, engine_config(model, prompt)), model)
+        return RandomWeightsEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -77,6 +77,9 @@ class TinyModelSpec:
     intermediate_size: int = 128
     vision_depth: int = 2
     vision_hidden: int = 32
+    # Qwen2.5-VL / Qwen3-VL vision MLP width; None = 2 x vision_hidden. Real towers use widths that are not
+    # multiples of the quantization group (3420, 4304): mlx-vlm then leaves those layers unquantized.
+    vision_intermediate: int | None = None
     vision_heads: int = 2
     tokens_per_second: int = 2
     seed: int = 0
@@ -102,6 +105,9 @@ class TinyModelSpec:
     @property
     def patch_size(self) -> int:
         return 16 if self.model_type in QWEN3_TYPES else 14
+
+    def resolved_vision_intermediate(self) -> int:
+        return self.vision_intermediate or 2 * self.vision_hidden
 
     def resolved_head_dim(self) -> int:
         head_dim = self.head_dim or self.hidden_size // self.num_heads
@@ -164,8 +170,9 @@ def checkpoint_config(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
     head_dim = spec.resolved_head_dim()
     if spec.model_type == "qwen2_5_vl":
         vision = {
-            "depth": spec.vision_depth, "hidden_size": spec.vision_hidden, "intermediate_size": 2 * spec.vision_hidden,
-            "num_heads": spec.vision_heads, "out_hidden_size": spec.hidden_size, "hidden_act": "silu",
+            "depth": spec.vision_depth, "hidden_size": spec.vision_hidden,
+            "intermediate_size": spec.resolved_vision_intermediate(), "num_heads": spec.vision_heads,
+            "out_hidden_size": spec.hidden_size, "hidden_act": "silu",
             "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
             "fullatt_block_indexes": list(spec.fullatt_block_indexes), "tokens_per_second": spec.tokens_per_second,
             "in_chans": 3, "in_channels": 3, "initializer_range": spec.initializer_range,
@@ -235,7 +242,7 @@ def qwen3_config(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size: int
                      "mlp_only_layers": [], "norm_topk_prob": True})
     vision = {
         "model_type": spec.model_type, "depth": spec.vision_depth, "hidden_size": spec.vision_hidden,
-        "intermediate_size": 2 * spec.vision_hidden, "num_heads": spec.vision_heads,
+        "intermediate_size": spec.resolved_vision_intermediate(), "num_heads": spec.vision_heads,
         "hidden_act": "gelu_pytorch_tanh", "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2,
         "temporal_patch_size": 2, "out_hidden_size": spec.hidden_size, "num_position_embeddings": 64,
         "deepstack_visual_indexes": list(spec.deepstack_visual_indexes),

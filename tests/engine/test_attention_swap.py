@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 
@@ -46,3 +48,28 @@ def test_rotary_with_heads_on_axis_two_equals_mlx_vlms_head_major_call(rng):
             q_tok, k_tok = apply(q, k, cos, sin, 2)
             assert mx.array_equal(q_tok, q_ref.transpose(0, 2, 1, 3)).item(), (family, dtype)
             assert mx.array_equal(k_tok, k_ref.transpose(0, 2, 1, 3)).item(), (family, dtype)
+
+
+def test_stacked_projections_hold_one_copy_of_the_weights(checkpoint_dir, rng):
+    """q/k/v and gate/up stacked at load: the same parameter count (no second copy), idempotent, and mlx-vlm's
+    own modules (through the row slices) compute what they computed before."""
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import load_model
+
+    from batchjob.engine.lm_fusion import RowSlice, fuse_decoder_projections
+
+    for name in ("qwen2_5_vl-gqa", "qwen3_vl"):
+        lm = load_model(Path(checkpoint_dir(name))).language_model
+        x = mx.array(rng.standard_normal((1, 7, lm.args.hidden_size)).astype(np.float32))
+        layer = lm.model.layers[0]
+        before = [np.array(p(x)) for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                           layer.mlp)]
+        size = sum(v.size for _, v in tree_flatten(lm.parameters()))
+        assert fuse_decoder_projections(lm) == len(lm.model.layers)
+        assert fuse_decoder_projections(lm) == 0
+        assert sum(v.size for _, v in tree_flatten(lm.parameters())) == size
+        assert isinstance(layer.self_attn.q_proj, RowSlice) and "qkv_proj" in layer.self_attn
+        after = [np.array(p(x)) for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                          layer.mlp)]
+        for b, a in zip(before, after):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

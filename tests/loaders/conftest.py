@@ -51,9 +51,15 @@ def full_decode(path: str) -> Decoded:
 
 
 def keyframe_sample_indices(decoded: Decoded, num_frames: int) -> list[int]:
-    """The issue's rule, spelled out: picks spread over the keyframe list by round(linspace)."""
+    """The documented rule, spelled out: up to one frame per keyframe, picks spread over the keyframe list by
+    round(linspace); more frames than keyframes, frame i is the keyframe whose equal share of the frame slots
+    holds slot i's centre (every keyframe, counts at most one apart)."""
     n = len(decoded.keyframe_indices)
-    return [decoded.keyframe_indices[int(p)] for p in np.round(np.linspace(0, n - 1, num_frames))]
+    if num_frames <= n:
+        picks = np.round(np.linspace(0, n - 1, num_frames))
+    else:
+        picks = [np.floor((i + 0.5) * n / num_frames) for i in range(num_frames)]
+    return [decoded.keyframe_indices[int(p)] for p in picks]
 
 
 def uniform_indices(total: int, num_frames: int) -> list[int]:

@@ -66,6 +66,26 @@ def test_two_keyframes_split_evenly(clips):
     assert meta["frames_indices"] == [0] * 8 + [ref.keyframe_indices[1]] * 8
 
 
+def test_repeated_keyframes_are_balanced(clips):
+    """More frames asked for than the clip has keyframes: every keyframe, each returned a number of times at
+    most one apart from the others (the README's promise; it once gave 4/8/4 for 3 keyframes and 16 frames)."""
+    from collections import Counter
+
+    checked = 0
+    for name in sorted(CATALOGUE):
+        path, ref = clips(name)
+        k = len(ref.keyframe_indices)
+        for num_frames in (k + 1, 2 * k + 1, 3 * k - 1):
+            if k < 3 or num_frames > len(ref.frames):
+                continue
+            _, meta = load_video(path, num_frames=num_frames)
+            counts = Counter(meta["frames_indices"])
+            assert sorted(counts) == sorted(ref.keyframe_indices), name
+            assert max(counts.values()) - min(counts.values()) <= 1, (name, num_frames, sorted(counts.items()))
+            checked += 1
+    assert checked >= 6, "the catalogue must hold clips with several keyframes"
+
+
 def test_package_reference_algorithm_is_correct(clips, expect, rng):
     """The benchmark's baseline must itself return the right frames, or its timings mean nothing."""
     for name in ("hevc_bframes_mp4", "vp9_webm", "h264_vfr"):

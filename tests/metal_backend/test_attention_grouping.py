@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from batchjob.metal_backend import SeqSlice, build_attention_metadata, paged_attention
-from batchjob.metal_backend.attention_plan import PAD_SLACK, causal_work, padded_groups, plan_attention
+from batchjob.metal_backend.attention_plan import FOLD_SLACK, PAD_SLACK, causal_work, padded_groups, plan_attention
 from batchjob.metal_backend.probe import make_ragged_batch
 
 SETTINGS = {  # the CPU's defaults, the GPU's (bf16) settings, and small chunks that force every path at once
     "cpu": dict(),
-    "gpu": dict(query_chunk=4096, group_rows=1 << 16, contiguous_kv=False),
-    "tight": dict(query_chunk=24, group_rows=40),
+    "gpu": dict(query_chunk=4096, group_rows=1 << 16, contiguous_kv=False, fold_followers=True),
+    "tight": dict(query_chunk=24, group_rows=40, fold_followers=True),
 }
 
 
@@ -49,6 +49,22 @@ def ragged_batch_spec(rng: np.random.Generator, block_size: int) -> tuple[list[i
     return [q_lens[i] for i in order], [cached[i] for i in order]
 
 
+def clip_followers(rng, q_lens, cached, block_size):
+    """Mark runs of followers with one cached prefix as the followers of one clip (sharing its cached full
+    blocks), as the pool lays them out; others (and every sequence sometimes) stay unshared."""
+    groups = [-1] * len(q_lens)
+    by_prefix = {}
+    for i, (q, c) in enumerate(zip(q_lens, cached)):
+        if c >= block_size and q > 1:
+            by_prefix.setdefault(c, []).append(i)
+    for g, members in enumerate(by_prefix.values()):
+        if rng.random() < 0.8:
+            for i in members:
+                groups[i] = g
+    shared = min((cached[i] for i, g in enumerate(groups) if g >= 0), default=0) // block_size
+    return groups, shared
+
+
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 @pytest.mark.parametrize("with_new_kv", [True, False])
 @pytest.mark.parametrize("trial", range(3))
@@ -56,8 +72,10 @@ def test_grouped_attention_matches_dense_per_sequence_reference(rng, dense_refer
     block_size = int(rng.choice([8, 16]))
     gqa, num_kv_heads, head_dim = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2])), int(rng.choice([32, 64]))
     q_lens, cached = ragged_batch_spec(rng, block_size)
+    groups, shared = clip_followers(rng, q_lens, cached, block_size)
     batch = make_ragged_batch(rng, q_lens, cached, num_q_heads=gqa * num_kv_heads, num_kv_heads=num_kv_heads,
-                              head_dim=head_dim, block_size=block_size, shuffle_blocks=bool(rng.random() < 0.7))
+                              head_dim=head_dim, block_size=block_size, shuffle_blocks=bool(rng.random() < 0.7),
+                              prefix_groups=groups, shared_blocks=shared)
     scale = head_dim**-0.5
     fn = functools.partial(paged_attention, **SETTINGS[setting])
     out = fn(batch.q, batch.k_cache, batch.v_cache, batch.meta, scale,
@@ -79,7 +97,9 @@ def check_plan(plan, q_lens, cached, *, query_chunk, group_rows, pad_slack=PAD_S
     assert np.array_equal(stacked[order], np.arange(int(cu[-1]))), "inverse maps tokens to their rows"
     for c in plan.calls:
         assert c.n >= 1 and c.q_len >= 1 and c.k_len >= c.q_len, "no empty SDPA call, keys cover the queries"
-        assert len(c.q_tokens) == len(c.out_tokens) == c.n * c.q_len
+        assert len(c.q_tokens) == len(c.out_tokens) == c.batch * c.q_len
+        if c.key_slots is not None:   # folded followers: checked by check_fold
+            continue
         real = c.out_tokens >= 0
         assert np.array_equal(c.q_tokens[real], c.out_tokens[real])
         if c.q_start is not None:
@@ -236,3 +256,91 @@ def test_gpu_settings_in_half_precision_within_dtype_tolerance(rng, dense_refere
     assert out.dtype == dtype
     err = np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - dense_reference(batch, 0.125)).max()
     assert err < tol, f"max abs error {err} for q_lens={q_lens} cached={cached}"
+
+
+def check_fold(call, q_lens, cached, tables, block_size):
+    """A folded call: its sequences share their cached full blocks; every row sees exactly its own keys."""
+    shared = cached[call.seqs[0]] // block_size * block_size
+    assert shared > 0 and call.batch == 1 and call.mask == "visible" and len(call.seqs) >= 2
+    for s in call.seqs:
+        assert np.array_equal(tables[s, :shared // block_size], tables[call.seqs[0], :shared // block_size])
+    assert call.visible.shape == (call.q_len, call.k_len) == (sum(q_lens[s] for s in call.seqs),
+                                                              shared + sum(q_lens[s] + cached[s] - shared
+                                                                           for s in call.seqs))
+    assert call.q_len * call.k_len <= FOLD_SLACK * sum(causal_work(q_lens[s], cached[s]) for s in call.seqs) + 1e-9
+    # each row sees (shared + its own position + 1) keys: the causal count of its sequence
+    seen = call.visible.sum(axis=1)
+    want = np.concatenate([cached[s] + np.arange(q_lens[s]) + 1 for s in call.seqs])
+    assert np.array_equal(seen, want)
+
+
+@pytest.mark.parametrize("trial", range(10))
+def test_followers_of_a_clip_fold_into_one_call_over_their_shared_context(rng, dense_reference, monkeypatch, trial):
+    """Questions over a clip's cached prefix (shared blocks) next to other work: the followers become one SDPA
+    call with a batch of one, whose keys are the shared prefix once plus each follower's own positions; exact
+    against the dense per-sequence reference."""
+    block_size = int(rng.choice([8, 16]))
+    clips = int(rng.integers(1, 3))
+    q_lens, cached, groups = [], [], []
+    for clip in range(clips):
+        # not block-aligned; long next to the questions, as a clip's prefix is (so two followers always fold)
+        prefix = int(rng.integers(10, 16)) * block_size + int(rng.integers(0, block_size - 1))
+        for _ in range(int(rng.integers(2, 7))):
+            q_lens.append(int(rng.integers(2, 17)))
+            cached.append(prefix + int(rng.choice([0, 0, 1])))   # a follower whose own prefix is one longer
+            groups.append(clip)
+    q_lens += [int(rng.integers(2, 30)), 1]
+    cached += [0, int(rng.integers(0, 50))]
+    groups += [-1, -1]
+    order = rng.permutation(len(q_lens))
+    q_lens, cached, groups = ([x[i] for i in order] for x in (q_lens, cached, groups))
+    shared = min(c for c, g in zip(cached, groups) if g >= 0) // block_size
+    batch = make_ragged_batch(rng, q_lens, cached, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=block_size,
+                              prefix_groups=groups, shared_blocks=shared)
+    plan = plan_attention(batch.meta.cu_seqlens_q_host, batch.meta.context_lens_host, query_chunk=4096,
+                          group_rows=1 << 16, block_tables=batch.meta.block_tables_host, block_size=block_size)
+    check_plan(plan, q_lens, cached, query_chunk=4096, group_rows=1 << 16)
+    folds = [c for c in plan.calls if c.key_slots is not None]
+    assert folds, "followers sharing a clip's blocks must fold"
+    for c in folds:
+        check_fold(c, q_lens, cached, batch.meta.block_tables_host, block_size)
+    spy = SdpaSpy(monkeypatch)
+    out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, new_kv=new_kv_of(batch),
+                          **SETTINGS["gpu"])
+    assert len(spy.calls) == plan.num_calls
+    assert np.abs(np.array(out).astype(np.float64) - dense_reference(batch, 0.2)).max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-5), (mx.bfloat16, 3e-2)])
+def test_twelve_followers_are_one_call_that_reads_the_prefix_once(rng, dense_reference, monkeypatch, dtype, tol):
+    """The engine's follower case: 12 questions of 40 tokens over a 2,064-token cached clip prefix."""
+    q_lens, cached = [40] * 12, [2064] * 12
+    batch = make_ragged_batch(rng, q_lens, cached, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                              prefix_groups=[0] * 12, shared_blocks=2064 // 16, dtype=dtype)
+    spy = SdpaSpy(monkeypatch)
+    out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, new_kv=new_kv_of(batch),
+                          **SETTINGS["gpu"])
+    assert spy.calls == [((1, 4, 480, 32), (1, 2, 2064 + 480, 32))]   # vs 12 x (2064 + 40) keys padded
+    assert out.dtype == dtype
+    assert np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - dense_reference(batch, 0.2)).max() < tol
+    unshared = make_ragged_batch(rng, q_lens, cached, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
+    spy.calls.clear()   # followers of different clips (no shared blocks): the padded call, as before
+    paged_attention(unshared.q, unshared.k_cache, unshared.v_cache, unshared.meta, 0.2, **SETTINGS["gpu"])
+    assert spy.calls == [((12, 4, 40, 32), (12, 2, 2104, 32))]
+
+
+def test_folds_respect_their_slack_and_rows(rng):
+    """Many followers over a short prefix: split into several folds, each within FOLD_SLACK and group_rows."""
+    n, prefix = 40, 64
+    q_lens, cached = [int(x) for x in rng.integers(20, 40, size=n)], [prefix] * n
+    tables = np.tile(np.arange(8), (n, 1))   # every follower shares the same 4 cached blocks of 16
+    tables[:, 4:] = np.arange(n * 4).reshape(n, 4) + 100
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    plan = plan_attention(cu, np.add(q_lens, cached), query_chunk=4096, group_rows=200, block_tables=tables,
+                          block_size=16)
+    folds = [c for c in plan.calls if c.key_slots is not None]
+    assert len(folds) >= 2
+    for c in folds:
+        check_fold(c, q_lens, cached, tables, 16)
+        assert c.q_len <= 200
+    check_plan(plan, q_lens, cached, query_chunk=4096, group_rows=200)

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchjob.metal_backend import KVCacheBudgetError, SeqSlice, build_attention_metadata, plan_num_blocks
+from batchjob.metal_backend import SeqSlice, build_attention_metadata
 
 
 def test_metadata_matches_brute_force(rng):
@@ -44,25 +44,3 @@ def test_metadata_rejects_bad_slices():
         build_attention_metadata([SeqSlice([0], 3, 0)], 16)
     with pytest.raises(ValueError, match="do not fit its 1 blocks"):
         build_attention_metadata([SeqSlice([0], 10, 7)], 16)
-
-
-def test_plan_num_blocks_uses_what_is_left_after_weights(rng):
-    layers, heads, dim, dt, bs = int(rng.integers(1, 40)), int(rng.integers(1, 8)), 128, 2, 16
-    per_block = 2 * layers * bs * heads * dim * dt  # K and V, every layer
-    weights = int(rng.integers(0, 2**33))
-    extra = int(rng.integers(0, 2**30))
-    max_len = int(rng.integers(1, 40_000))
-    budget = weights + -(-max_len // bs) * per_block + extra
-    n = plan_num_blocks(memory_budget_bytes=budget, weights_bytes=weights, num_layers=layers, num_kv_heads=heads,
-                        head_dim=dim, dtype_bytes=dt, block_size=bs, max_model_len=max_len)
-    assert n == (budget - weights) // per_block and n >= -(-max_len // bs)
-
-
-def test_plan_num_blocks_refuses_a_budget_too_small_for_one_request():
-    gib = 2**30
-    with pytest.raises(KVCacheBudgetError) as err:
-        plan_num_blocks(memory_budget_bytes=8 * gib, weights_bytes=7 * gib, num_layers=28, num_kv_heads=4,
-                        head_dim=128, dtype_bytes=2, block_size=16, max_model_len=32_768)
-    msg = str(err.value)
-    for part in ["8.00 GiB", "7.00 GiB", "32768-token", "need at least 8.75 GiB", "memory_budget_gb"]:
-        assert part in msg, (part, msg)

@@ -126,3 +126,37 @@ def test_probe_can_be_skipped():
     sentinel = emulated_kernel(off_by_one=1)
     backend, _ = select(sentinel, probe=False)
     assert backend.name == "metal" and backend.fn is sentinel and "skipped" in backend.reason
+
+
+def test_gpu_portable_path_uses_long_query_chunks_only_in_half_precision(rng):
+    from batchjob.metal_backend.probe import make_ragged_batch
+    from batchjob.metal_backend.selection import GPU_GROUP_ROWS, GPU_QUERY_CHUNK, gpu_portable_attention
+
+    shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
+    assert gpu_portable_attention(mx.float32) is paged_attention  # unfused on CUDA: keep score matrices small
+    fn = gpu_portable_attention(mx.bfloat16)
+    assert fn.keywords == {"query_chunk": GPU_QUERY_CHUNK, "group_rows": GPU_GROUP_ROWS, "contiguous_kv": False,
+                           "fold_followers": True}
+    batch = make_ragged_batch(rng, [700, 3], [0, 40], dtype=mx.float32, **shape)
+    np.testing.assert_allclose(np.array(fn(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)),
+                               np.array(paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)),
+                               atol=1e-5)
+
+
+def test_cuda_engines_build_and_probe_no_kernel(monkeypatch):
+    """On an NVIDIA GPU the engine takes the GPU portable path at once: no kernel is built, probed or timed."""
+    import types
+
+    from batchjob.engine import classifier
+    from batchjob.engine.types import EngineConfig, EngineError
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a kernel was built or probed on CUDA")
+
+    monkeypatch.setattr(classifier, "select_attention_backend", forbidden)
+    checkpoint = types.SimpleNamespace(device="cuda", dtype=mx.bfloat16)
+    name, reason, fn = classifier._select_attention(EngineConfig(), checkpoint)
+    assert name == "portable" and "cuda_kernels.md" in reason
+    assert fn.keywords["contiguous_kv"] is False
+    with pytest.raises(EngineError, match="attention_backend 'cuda' is gone"):
+        EngineConfig(attention_backend="cuda").validate()

@@ -64,7 +64,7 @@ def test_a_failing_job_fails_the_night_and_is_recorded(tmp_path):
     assert res.returncode == 1, res.stderr
     [rec] = read_history(tmp_path / "hist").records
     assert rec.exit_status == 2 and rec.night == "2026-02-02" and rec.rows_answered == 0 and rec.accuracy is None
-    assert rec.alerts == ["batchjob run exited 2 (bad config, or another run holds the output)"]
+    assert rec.alerts == ["batchjob run exited 2 (bad config or damaged output: fix it, then rerun)"]
     assert rec.output == str(tmp_path / "out" / "2026-02-02")
     log = Path(rec.log).read_text()
     assert "dataset.annotation: file not found" in log and "exit 2" in log
@@ -78,28 +78,70 @@ def test_a_failing_job_fails_the_night_and_is_recorded(tmp_path):
     assert missing.returncode == 2 and "no part-*.parquet" in missing.stderr
 
 
-def test_retry_errors_in_the_definition_reruns_error_rows(tmp_path, monkeypatch):
-    """`retry_errors: true`: a job that ended with error rows gets one `--retry-errors` run; the record counts
-    the rows still failing after it."""
+@pytest.mark.parametrize("earlier", [False, True], ids=["this-night", "earlier-nights"])
+def test_retry_errors_in_the_definition_reruns_every_error_row_of_the_output(tmp_path, monkeypatch, rng, nh,
+                                                                             earlier):
+    """`retry_errors: true`: a job whose output holds error rows gets one `--retry-errors` run, whether this
+    night's run made them or earlier nights did (a dataset without {date} keeps them otherwise); the record
+    counts the rows still failing after it."""
     import batchjob.nightly.runner as runner
+    from batchjob.pipeline.output import PartWriter
 
     path = write(tmp_path, max_error_rate=0.05)
     raw = yaml.safe_load(path.read_text())
     path.write_text(yaml.safe_dump({**raw, "retry_errors": True}))
     d = load_definition(path)
+    [cfg] = load_jobs(d, "2026-01-05")
+    from datetime import datetime, timezone
+
+    t = datetime(2026, 1, 4, tzinfo=timezone.utc)
+    rows = [{**r, "run_id": "earlier", "run_started_at": t, "finished_at": t}
+            for r in nh.output_rows(rng, [f"r{i:03d}" for i in range(100)], error_p=0.0)]
+    for r in rng.sample(rows, 20):
+        r.update(error="decode failed", pred_index=None, pred_letter=None, probs=None, correct=False)
+    Path(cfg.output.directory).mkdir(parents=True)
+    w = PartWriter(Path(cfg.output.directory), {"fingerprint": cfg.fingerprint()}, rows_per_part=16,
+                   flush_seconds=1e9)
+    w.add(rows)
+    w.flush()
     calls = []
 
     def fake(cfg, night, log, term, *, retry_errors=False, extra_env=None):
         calls.append(retry_errors)
-        if not retry_errors:    # 100 rows, 20 errors: too many (exit 1)
-            return 1, {"total_rows": 100, "done_rows": 100, "error_rows": 20, "model": "m"}
+        if not retry_errors:
+            if earlier:          # the output is complete: nothing new to answer tonight
+                return 0, {"total_rows": 100, "done_rows": 0, "error_rows": 0, "model": "m"}
+            return 1, {"total_rows": 100, "done_rows": 100, "error_rows": 20, "model": "m"}  # too many: exit 1
         return 0, {"total_rows": 100, "done_rows": 20, "error_rows": 2, "model": "m"}   # 18 recovered
 
     monkeypatch.setattr(runner, "run_job_process", fake)
-    result = runner.run_night(d, load_jobs(d, "2026-01-05"), "2026-01-05")
+    result = runner.run_night(d, [cfg], "2026-01-05")
     [rec] = result.records
-    assert calls == [False, True] and rec.error_rows == 2 and rec.rows_answered == 100
-    assert rec.exit_status == 0 and rec.alerts == [] and not result.failed
+    assert calls == [False, True]
+    assert rec.error_rows == 2 and rec.rows_answered == (20 if earlier else 100)
+    assert rec.output_error_rows == 20      # read from the output, which the stand-in left as it was
+    if earlier:    # 2 of the 20 rows answered tonight still fail: above both thresholds
+        assert rec.exit_status == 1 and "error rate 10.00% (2 of 20 rows) above max_error_rate 5.00%" in rec.alerts
+    else:          # 2 of 100
+        assert rec.exit_status == 0 and rec.alerts == []
+    assert result.failed == earlier
+
+
+def test_retry_errors_is_skipped_when_the_output_has_no_error_rows(tmp_path, monkeypatch):
+    import batchjob.nightly.runner as runner
+
+    path = write(tmp_path)
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "retry_errors": True}))
+    d = load_definition(path)
+    calls = []
+
+    def fake(cfg, night, log, term, *, retry_errors=False, extra_env=None):
+        calls.append(retry_errors)
+        return 0, {"total_rows": 3, "done_rows": 3, "error_rows": 0, "model": "m"}
+
+    monkeypatch.setattr(runner, "run_job_process", fake)
+    runner.run_night(d, load_jobs(d, "2026-01-06"), "2026-01-06")
+    assert calls == [False]
 
 
 def test_thin_wrapper_script_and_report_hint(tmp_path):

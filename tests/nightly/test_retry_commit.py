@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.pipeline.output import PartWriter, read_output
-from batchjob.pipeline.retry import STAGING, commit_retry, error_row_ids, staging_dir
+from batchjob.pipeline.retry import STAGING, commit_retry, error_row_ids, staging_writer
 
 
 def full_row(r: dict, run: str) -> dict:
@@ -38,7 +38,7 @@ def make_output(tmp_path: Path, rng, nh, n: int = 60) -> tuple[Path, list[dict],
     for r, src in zip(retried, [x for x in errors if x["row_id"] in {y["row_id"] for y in retried}]):
         r.update(video=src["video"], question=src["question"], options=src["options"], answer=src["answer"],
                  category=src["category"])
-    sw = PartWriter(staging_dir(out), {"fingerprint": "f"}, rows_per_part=3, flush_seconds=1e9)
+    sw = staging_writer(out, {"fingerprint": "f"}, rows_per_part=3, flush_seconds=1e9)
     sw.add(retried)
     sw.flush()
     return out, rows, retried
@@ -78,15 +78,16 @@ def test_commit_replaces_error_rows_in_place(tmp_path, rng, nh):
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
+    import batchjob.pipeline.output as output
     import batchjob.pipeline.retry as retry
-    real, budget = retry.atomic_write, int(sys.argv[2])
-    def atomic_write(path, write):
+    real, budget = output.write_part, int(sys.argv[2])
+    def write_part(path, table):
         global budget
         if budget == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         budget -= 1
-        real(path, write)
-    retry.atomic_write = atomic_write
+        real(path, table)
+    output.write_part = write_part
     retry.commit_retry(__import__("pathlib").Path(sys.argv[1]))
 """)
 

@@ -67,8 +67,11 @@ def launchd_times(entries: list[dict[str, int]], start: datetime, end: datetime)
 @pytest.fixture
 def nightly_def(tmp_path):
     def make(schedule: str, folder: Path = tmp_path):
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "j.yaml").write_text("job: j\n")
+        folder.mkdir(parents=True, exist_ok=True)     # a valid job: `schedule` checks the jobs before writing
+        (folder / "manifest.jsonl").write_text('{"id": "a", "video": "a.mp4", "question": "q?", "options": ["x", "y"]}\n')
+        (folder / "j.yaml").write_text(yaml.safe_dump({
+            "job": "j", "dataset": {"adapter": "manifest", "annotation": "manifest.jsonl"},
+            "model": {"checkpoint": "Org/model"}, "output": {"directory": "out"}}))
         path = folder / "nightly.yaml"
         path.write_text(yaml.safe_dump({"name": "nightly", "schedule": schedule, "history": "hist", "jobs": ["j.yaml"]}))
         return load_definition(path)

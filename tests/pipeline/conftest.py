@@ -137,6 +137,19 @@ def run_cli(*args: str, timeout: float = 240, env: dict | None = None) -> subpro
                           timeout=timeout, env=env or cli_env(), cwd=ROOT)
 
 
+CONSOLE = Path(sys.executable).with_name("batchjob")
+
+
+def run_console(*args: str, timeout: float = 240, env: dict | None = None,
+                input: str | None = None) -> subprocess.CompletedProcess:
+    """The installed console script, as a user (or cron) types it; it re-executes itself with the system
+    OpenBLAS preloaded, as in production."""
+    if not CONSOLE.is_file():
+        pytest.skip(f"no console script at {CONSOLE} (package not installed in this environment)")
+    return subprocess.run([str(CONSOLE), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env or cli_env(), cwd=ROOT, input=input)
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (read from /proc; no psutil here)."""
     children: dict[int, list[int]] = {}
@@ -172,16 +185,31 @@ def read_rows(out_dir: Path):
     return read_output(out_dir).to_pylist()
 
 
+def reader_counts(out: Path) -> dict[str, int]:
+    """An output's rows as other tools count them: pyarrow's dataset discovery, pyarrow on the folder, DuckDB's
+    globs (temporaries, staged and damaged parts must be invisible to every one of them)."""
+    import duckdb
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    counts = {"pyarrow.dataset": pads.dataset(out, format="parquet").count_rows(),
+              "pq.read_table(dir)": pq.read_table(out).num_rows}
+    for glob in ("*.parquet", "part-*", "**/*.parquet"):
+        counts[f"duckdb {glob}"] = duckdb.sql(f"SELECT count(*) FROM read_parquet('{out}/{glob}')").fetchall()[0][0]
+    return counts
+
+
 def manifest_records(manifest: Path) -> list[dict]:
     return [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def h():
     """The helpers above, for test modules (which cannot import this conftest under importlib mode)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(write_config=write_config, run_cli=run_cli, cli_env=cli_env, kill_tree=kill_tree,
+    return SimpleNamespace(write_config=write_config, run_cli=run_cli, run_console=run_console, cli_env=cli_env,
+                           kill_tree=kill_tree,
                            descendants=descendants, read_rows=read_rows, manifest_records=manifest_records,
                            expected_choice=expected_choice, frame_signature=frame_signature, ROOT=ROOT,
-                           TEST_ENGINE=TEST_ENGINE)
+                           TEST_ENGINE=TEST_ENGINE, CONSOLE=CONSOLE, reader_counts=reader_counts)

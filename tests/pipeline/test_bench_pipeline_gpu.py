@@ -1,5 +1,7 @@
-"""scripts/bench_pipeline_gpu.py: its clip plan, its clips, its figures, its random 7B-shaped engine, and the
-whole script in --smoke mode (it runs on the GPU machine once, so it must work the first time)."""
+"""scripts/bench_pipeline_gpu.py and its clips (scripts/benchlib/clips.py): the clip plan, the clips, the figures,
+the user's path (the shipped config with only paths, loader and size changed; a checkpoint written to disk), the
+random 7B-shaped engine, and the whole script in --smoke mode (it runs on the GPU machine once, so it must work the
+first time)."""
 from __future__ import annotations
 
 import importlib.util
@@ -26,13 +28,14 @@ def _load_script():
 
 
 bench = _load_script()
+import benchlib.clips as clips  # noqa: E402  (importable once the script put scripts/ on sys.path)
 
 
 @pytest.mark.parametrize("count,long_fraction,hevc_fraction,seed", [(48, 0.25, 0.25, 0), (37, 0.3, 0.1, 5),
                                                                      (10, 0.0, 1.0, 1), (7, 1.0, 0.0, 2)])
 def test_plan_spreads_long_and_hevc_clips_over_every_prefix(count, long_fraction, hevc_fraction, seed):
-    specs = bench.plan_clips(count, long_fraction=long_fraction, hevc_fraction=hevc_fraction, seed=seed)
-    shape = bench.Shape()
+    specs = clips.plan_clips(count, long_fraction=long_fraction, hevc_fraction=hevc_fraction, seed=seed)
+    shape = clips.Shape()
     assert len(specs) == count and len({s.name for s in specs}) == count
     for k in range(1, count + 1):   # the baseline runs a prefix: it must hold the job's mix
         assert sum(s.seconds == shape.long_s for s in specs[:k]) == math.floor(k * long_fraction + 1e-9)
@@ -45,31 +48,31 @@ def test_plan_spreads_long_and_hevc_clips_over_every_prefix(count, long_fraction
         assert (s.width, s.height) in shape.sizes and s.fps in shape.fps
         assert shape.gop_s[0] <= s.gop_seconds <= shape.gop_s[1] and (s.gop_seconds * 2) % 1 == 0
         assert s.seconds in (shape.short_s, shape.long_s)
-    assert specs == bench.plan_clips(count, long_fraction=long_fraction, hevc_fraction=hevc_fraction, seed=seed)
+    assert specs == clips.plan_clips(count, long_fraction=long_fraction, hevc_fraction=hevc_fraction, seed=seed)
 
 
 def test_plan_rejects_bad_fractions_and_counts():
     with pytest.raises(ValueError, match="long_fraction"):
-        bench.plan_clips(4, long_fraction=1.5, hevc_fraction=0, seed=0)
+        clips.plan_clips(4, long_fraction=1.5, hevc_fraction=0, seed=0)
     with pytest.raises(ValueError, match="count"):
-        bench.plan_clips(0, long_fraction=0.5, hevc_fraction=0, seed=0)
+        clips.plan_clips(0, long_fraction=0.5, hevc_fraction=0, seed=0)
 
 
 def test_clip_and_segment_are_whole_gops():
-    s = bench.ClipSpec(1920, 1080, 600.0, 25, 3.5, "h264", 0)
+    s = clips.ClipSpec(1920, 1080, 600.0, 25, 3.5, "h264", 0)
     assert s.gop_frames == 88 and s.gops == 170 and s.frames == 170 * 88      # 14,960 frames: 598.4 s
     assert s.segment_frames(10.0) == 3 * 88                 # ceil(10 / 3.5) GOPs
-    short = bench.ClipSpec(1280, 720, 2.0, 30, 4.0, "h264", 0)
+    short = clips.ClipSpec(1280, 720, 2.0, 30, 4.0, "h264", 0)
     assert short.gops == 1 and short.segment_frames(10.0) == short.frames == 120
-    odd = bench.ClipSpec(1280, 720, 30.0, 24, 7.0, "h264", 0)          # 30 s = 4.3 GOPs of 7 s -> 4
+    odd = clips.ClipSpec(1280, 720, 30.0, 24, 7.0, "h264", 0)          # 30 s = 4.3 GOPs of 7 s -> 4
     assert odd.frames == 4 * 168 and odd.segment_gops(10.0) == 2
 
 
 @pytest.mark.parametrize("codec,seconds,fps,expected", [("h264", 6.0, 24, 144), ("hevc", 6.0, 24, 144),
                                                         ("h264", 5.0, 25, 125), ("hevc", 5.0, 30, 150)])
 def test_repeated_segment_clip_decodes_every_frame_with_the_planned_keyframes(tmp_path, codec, seconds, fps, expected):
-    spec = bench.ClipSpec(96, 64, seconds, fps, 1.0, codec, 3)   # 3 s segment: twice, or once and 2 GOPs of it
-    name, _ = bench.build_clip((spec, str(tmp_path), 3.0))
+    spec = clips.ClipSpec(96, 64, seconds, fps, 1.0, codec, 3)   # 3 s segment: twice, or once and 2 GOPs of it
+    name, _ = clips.build_clip((spec, str(tmp_path), 3.0))
     path = tmp_path / name
     with av.open(str(path)) as c:                             # reference: a full decode with PyAV
         stream = c.streams.video[0]
@@ -85,7 +88,7 @@ def test_repeated_segment_clip_decodes_every_frame_with_the_planned_keyframes(tm
     # Repeats are the same pictures: frame i and i + segment decode alike; neighbours differ (the picture pans).
     a, b, c2 = (frames[i].to_ndarray(format="gray").astype(int) for i in (5, 5 + 3 * fps, 6))
     assert np.abs(a - b).mean() < 2 < np.abs(a - c2).mean()
-    assert bench.build_clip((spec, str(tmp_path), 3.0)) == (name, 0.0)   # cached
+    assert clips.build_clip((spec, str(tmp_path), 3.0)) == (name, 0.0)   # cached
 
 
 MAIN_STATS = {"total_rows": 30, "skipped_rows": 0, "done_rows": 30, "error_rows": 0, "wall_s": 20.0,
@@ -96,7 +99,12 @@ MAIN_STATS = {"total_rows": 30, "skipped_rows": 0, "done_rows": 30, "error_rows"
 def test_summary_of_a_run_from_todays_stats_keys():
     got = bench.summarize_run(MAIN_STATS, wall_s=25.0, job_clips=10)
     assert got["rows_per_s"] == pytest.approx(30 / 25) and got["rows_per_s_streaming"] == pytest.approx(3.0)
-    assert got["startup_s"] == pytest.approx(15.0)
+    assert got["rows_per_s_vs_streaming"] == pytest.approx(0.4)
+    assert got["startup_s"] == pytest.approx(15.0)             # no breakdown: wall minus streaming
+    steps = {"launch": 0.5, "preflight": 0.1, "ray_start": 2.0, "engine_load": 6.0, "first_answer": 0.4}
+    timed = bench.summarize_run({**MAIN_STATS, "startup": {"total_s": 9.0, "steps": steps, "engine_load": {}}},
+                                wall_s=25.0, job_clips=10)
+    assert timed["startup_s"] == 9.0 and timed["load_s"] == 6.0 and timed["startup_steps"] == steps
     assert got["gpu_busy"] == pytest.approx(0.8)               # engine busy over the streaming phase
     assert got["decode_ms_per_clip"] == pytest.approx(1600) and got["engine_ms_per_clip"] == pytest.approx(800)
     assert got["cores_per_gpu"] == pytest.approx(2.0)          # 1600 ms x 1.25 clips/s / 1000
@@ -132,22 +140,48 @@ def test_figures_have_stable_keys_and_ratios_and_survive_a_failed_method():
     assert "gpu_busy (keyframes) 0.90: meets >= 0.85" in text
 
 
-def test_gpu_settings_follow_the_device():
-    args = bench.parse_args(["--device", "gpu"])
-    assert args.dtype == "bfloat16" and args.memory_budget_gb == 60.0
-    cpu = bench.parse_args(["--device", "cpu", "--decoders", "3"])
-    assert cpu.dtype == "auto" and cpu.frames_in_flight == 2 * 3 + cpu.clips_per_batch
+def test_the_user_path_is_the_default_and_the_in_process_model_a_flag():
+    args = bench.parse_args([])
+    assert args.methods.split(",") == ["first_run", "pyav_keyframes", "explicit_budget"] and args.clips >= 512
+    assert not args.in_process_model
     with pytest.raises(SystemExit):
         bench.parse_args(["--methods", "pyav_keyframes,ffmpeg"])
+    with pytest.raises(SystemExit):          # nothing on disk to evict or budget for
+        bench.parse_args(["--in-process-model"])
+    assert bench.parse_args(["--in-process-model", "--methods", "pyav_keyframes,opencv"]).in_process_model
 
 
-def test_job_config_is_valid_for_batchjob(tmp_path):
+def test_user_config_is_the_shipped_config_with_paths_loader_and_size_changed(tmp_path):
+    import yaml
+
     from batchjob.config import parse_config
 
-    args = bench.parse_args(["--device", "cpu", "--smoke"])
-    cfg = bench.job_config(args, tmp_path / "model", tmp_path / "m.jsonl", "opencv", tmp_path / "out")
-    job = parse_config(cfg, tmp_path / "bench.yaml")
-    assert job.model.engine == bench.ENGINE and job.loader.name == "opencv" and job.runtime.decode_actors == args.decoders
+    data = bench.Dataset(tmp_path / "job", tmp_path / "job" / "nextqa_mc.parquet", tmp_path / "job" / "m.jsonl", {})
+    shipped = yaml.safe_load(bench.SHIPPED_CONFIG.read_text())
+    for loader, limit, budget in (("opencv", None, None), ("pyav_keyframes", 30, 60.0)):
+        cfg = bench.user_config(data, tmp_path / "ckpt", loader, tmp_path / "out", limit=limit, budget_gb=budget)
+        changed = {(section, key) for section in shipped for key in (shipped[section] or {})
+                   if isinstance(shipped[section], dict) and cfg[section][key] != shipped[section][key]}
+        allowed = {("dataset", "annotation"), ("dataset", "video_root"), ("dataset", "limit"), ("model", "checkpoint"),
+                   ("loader", "name"), ("output", "directory"), ("model", "memory_budget_gb")}
+        assert changed <= allowed, changed - allowed
+        assert {k for k in cfg if not isinstance(cfg[k], dict)} == {k for k in shipped if not isinstance(shipped[k], dict)}
+        job = parse_config(cfg, tmp_path / "bench.yaml")
+        assert job.dataset.adapter == "nextqa" and job.loader.name == loader and job.model.memory_budget_gb == budget
+        assert job.dataset.limit == limit and job.model.engine == "mlx"
+
+
+def test_dataset_in_nextqa_format_reads_back_through_the_shipped_adapter(tmp_path):
+    from batchjob.config import DatasetConfig
+    from batchjob.datasets import load_rows
+
+    specs = clips.plan_clips(2, long_fraction=0.5, hevc_fraction=0.5, seed=1, shape=clips.SMOKE_SHAPE)
+    data = bench.build_dataset(tmp_path, specs, clips=5, questions=2, segment_s=2.0, workers=1, seed=1, long_s=12.0)
+    rows = load_rows(DatasetConfig(adapter="nextqa", annotation=str(data.annotation), video_root=str(data.clips_dir)))
+    manifest = load_rows(DatasetConfig(adapter="manifest", annotation=str(data.manifest), video_root=str(data.clips_dir)))
+    assert len(rows) == len(manifest) == 10 and data.info["rows"] == 10
+    assert [(r.video, r.question, r.options, r.answer) for r in rows] == \
+        [(m.video, m.question, m.options, m.answer) for m in manifest]
 
 
 def test_random_engine_builds_the_configured_shape_and_answers(tmp_path):
@@ -157,19 +191,20 @@ def test_random_engine_builds_the_configured_shape_and_answers(tmp_path):
     from batchjob.config import ModelConfig, PromptConfig
     from batchjob.synthetic.random_engine import SMOKE, RandomWeightsEngine
 
-    path = bench.ensure_model(tmp_path, SMOKE, layers=3, vision_layers=2, max_pixels=28 * 28 * 16)
-    model_cfg = ModelConfig(checkpoint=str(path), engine=bench.ENGINE, device="cpu", dtype="float32")
+    path = bench.ensure_in_process_model(tmp_path, SMOKE, layers=3, vision_layers=2, max_pixels=28 * 28 * 16)
+    model_cfg = ModelConfig(checkpoint=str(path), engine=bench.IN_PROCESS_ENGINE, device="cpu", dtype="float32")
     engine = RandomWeightsEngine.load(model_cfg, PromptConfig())
     params = dict(tree_flatten(engine._clf.checkpoint.model.parameters()))
     layers = {k.split(".")[3] for k in params if k.startswith("language_model.model.layers.")}
     blocks = {k.split(".")[2] for k in params if k.startswith("vision_tower.blocks.")}
     assert len(layers) == 3 and len(blocks) == 2
     h, inter = SMOKE["hidden"], SMOKE["inter"]
-    assert params["language_model.model.layers.0.mlp.gate_proj.weight"].shape == (inter, h)
+    # gate/up and q/k/v are stacked at load (engine/lm_fusion.py): one weight of the summed widths each
+    assert params["language_model.model.layers.0.mlp.gate_up.weight"].shape == (2 * inter, h)
     kv = SMOKE["kv_heads"] * h // SMOKE["heads"]
-    [k_proj] = [v for k, v in params.items() if k.startswith("language_model.model.layers.0.")
-                and k.endswith("k_proj.weight")]    # (the engine wraps the attention module)
-    assert k_proj.shape == (kv, h)
+    [qkv] = [v for k, v in params.items() if k.startswith("language_model.model.layers.0.")
+             and k.endswith("qkv_proj.weight")]    # (the engine wraps the attention module)
+    assert qkv.shape == (h + 2 * kv, h)
     # Decoder-side preparation, then the engine: every question gets a distribution over its options.
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 256, (4, 112, 112, 3), dtype=np.uint8)
@@ -184,23 +219,63 @@ def test_random_engine_builds_the_configured_shape_and_answers(tmp_path):
     assert engine.describe().model_id.startswith("random:")
 
 
+def test_random_checkpoint_on_disk_loads_as_a_downloaded_one(tmp_path):
+    """The user path's model: written once (cached by `.complete`), loaded by the engine's own loader, and the
+    same model as the one built in process from the same shape (parameter names and shapes)."""
+    from mlx.utils import tree_flatten
+
+    from batchjob.engine import Classifier, EngineConfig
+    from batchjob.synthetic.random_engine import SMOKE
+
+    path, spent = bench.ensure_checkpoint(tmp_path, SMOKE, 2, 3, 28 * 28 * 16, "float32")
+    assert spent > 0 and (path / "config.json").is_file() and list(path.glob("*.safetensors"))
+    assert bench.ensure_checkpoint(tmp_path, SMOKE, 2, 3, 28 * 28 * 16, "float32") == (path, 0.0)
+    clf = Classifier.from_pretrained(path, EngineConfig(max_pixels=28 * 28 * 16))
+    params = dict(tree_flatten(clf.checkpoint.model.parameters()))
+    [gate_up] = [v for k, v in params.items() if k.startswith("language_model.model.layers.1.mlp.")
+                 and v.ndim == 2 and v.shape[1] == SMOKE["hidden"]]      # gate and up, stacked at load
+    assert gate_up.shape == (2 * SMOKE["inter"], SMOKE["hidden"])
+    assert not any(k.startswith("language_model.model.layers.2.") for k in params)
+    assert [s.name for s in clf.startup][:3] == ["imports", "checkpoint_files", "device_init"]
+
+
+def test_evicting_the_checkpoint_from_the_page_cache_names_its_bytes(tmp_path):
+    (tmp_path / "a").write_bytes(b"x" * 5000)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b").write_bytes(b"y" * 300)
+    assert bench.evict_from_page_cache(tmp_path) == 5300 and bench.count_files(tmp_path) == 2
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_smoke_run_end_to_end(tmp_path):
+def test_smoke_run_end_to_end(tmp_path, monkeypatch):
     """The whole script as the GPU run calls it, tiny: every method runs and the results file has figures."""
+    monkeypatch.setattr(bench, "KERNEL_CACHE", tmp_path / "kernels")   # first_run empties it
     out = tmp_path / "out"
-    bench.main(["--smoke", "--device", "cpu", "--clips", "3", "--distinct", "3", "--long-fraction", "0.5",
-                "--hevc-fraction", "0.5", "--questions", "2", "--decoders", "1", "--baseline-clips", "2",
-                "--workers", "2", "--cache", str(tmp_path / "cache"), "--out", str(out), "--run-timeout-s", "300"])
+    common = ["--smoke", "--clips", "3", "--distinct", "3", "--long-fraction", "0.5", "--hevc-fraction", "0.5",
+              "--questions", "2", "--baseline-clips", "2", "--first-run-clips", "2", "--workers", "2",
+              "--cache", str(tmp_path / "cache"), "--out", str(out), "--run-timeout-s", "300"]
+    bench.main(common + ["--methods", "first_run,pyav_keyframes,explicit_budget,baseline", "--explicit-budget-gb", "4"])
     [path] = out.glob("pipeline-*-smoke.json")
     report = json.loads(path.read_text())
-    assert report["complete"] is True
-    assert set(report["methods"]) == {"pyav_keyframes", "opencv", "pyav_adaptive", "baseline"}
+    assert report["complete"] is True and "nextqa" in report["shipped_config"]
+    assert set(report["methods"]) == {"first_run", "pyav_keyframes", "explicit_budget", "baseline"}
     for name, method in report["methods"].items():
         assert "error" not in method, (name, method.get("output_tail"))
         assert method["rows_per_s"] > 0
-    assert report["methods"]["pyav_keyframes"]["rows"] == 6 and report["methods"]["baseline"]["rows"] == 4
+    m = report["methods"]
+    assert m["pyav_keyframes"]["rows"] == 6 and m["first_run"]["rows"] == 4 and m["baseline"]["rows"] == 4
+    assert m["explicit_budget"]["memory"]["budget_gb"] == 4 and m["explicit_budget"]["memory"]["budget_source"] == \
+        "model.memory_budget_gb"
     fig = report["figures"]
-    assert fig["keyframes_vs_opencv"] > 0 and fig["cores_per_gpu"]["pyav_keyframes"] > 0
+    assert fig["budget"]["budget_source"].startswith("auto") and fig["startup_s"] > 0 and fig["load_s"] > 0
+    assert 0 < fig["rows_per_s_vs_streaming"]["pyav_keyframes"] < 1 and fig["default_vs_explicit_budget"] > 0
+    assert set(m["pyav_keyframes"]["startup_steps"]) >= {"ray_start", "engine_load", "first_answer"}
+    assert m["pyav_keyframes"]["decoder_rss_mb"] and m["pyav_keyframes"]["host_peak_mb"] > 0
     # The plan: short H.264, long H.264, short HEVC (HEVC spreads within each length class).
     assert report["dataset"]["long_clips"] == 1 and report["dataset"]["hevc_clips"] == 1
+    # The diagnostic: the same loader with the model built in the engine's process.
+    bench.main(common + ["--in-process-model", "--methods", "pyav_keyframes", "--out", str(tmp_path / "out2")])
+    [path] = (tmp_path / "out2").glob("pipeline-*-smoke.json")
+    diag = json.loads(path.read_text())["methods"]["pyav_keyframes"]
+    assert "error" not in diag and diag["rows"] == 6 and diag["stats"]["model"].startswith("random:")

@@ -89,3 +89,25 @@ def test_shipped_configs_parse_and_demo_copy_matches():
     qwen3 = load_config(root / "configs" / "nextqa-qwen3vl.yaml")
     assert (qwen3.model.checkpoint, qwen3.model.timestamps, qwen3.loader.name) == \
         ("Qwen/Qwen3-VL-8B-Instruct", "actual", "pyav_keyframes")
+
+
+def test_budget_larger_than_the_device_exits_2_before_any_work(tmp_path, h, synthetic):
+    """`validate` and `run` refuse a memory budget this machine's device (here the CPU's RAM) cannot hold."""
+    from batchjob.engine.memory_budget import host_ram_bytes
+    from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
+
+    manifest, _ = synthetic
+    ckpt = str(write_tiny_checkpoint(tmp_path / "tiny", TinyModelSpec()))
+    too_much = host_ram_bytes() // 2**30 + 64
+    cfg = h.write_config(tmp_path / "job.yaml", manifest, engine="mlx", checkpoint=ckpt,
+                         model={"device": "cpu", "memory_budget_gb": too_much})
+    for command in ("validate", "run"):
+        res = h.run_cli(command, str(cfg))
+        assert res.returncode == 2, (command, res.returncode, res.stderr[-2000:])
+        for part in ("model.memory_budget_gb", f"{too_much} GiB", "physical RAM", "job.yaml"):
+            assert part in res.stderr, (part, res.stderr)
+        assert not (tmp_path / "out").exists()
+    ok = h.write_config(tmp_path / "job.yaml", manifest, engine="mlx", checkpoint=ckpt,
+                        model={"device": "cpu", "memory_budget_gb": 1})
+    res = h.run_cli("validate", str(ok))
+    assert res.returncode == 0, res.stderr[-2000:]

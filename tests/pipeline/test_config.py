@@ -8,7 +8,8 @@ import random
 import pytest
 import yaml
 
-from batchjob.config import ConfigError, check_paths, load_config
+from batchjob.config import ConfigError, load_config
+from batchjob.preflight import check_inputs
 
 
 def base_config() -> dict:
@@ -84,19 +85,19 @@ def test_not_a_mapping_and_bad_yaml(tmp_path):
 def test_missing_inputs_are_named(tmp_path):
     cfg = load_config(write(tmp_path, base_config()))
     with pytest.raises(ConfigError, match=r"dataset\.annotation.*manifest\.jsonl"):
-        check_paths(cfg)
+        check_inputs(cfg)
     (tmp_path / "data").mkdir()
     (tmp_path / "data/manifest.jsonl").write_text("")
     with pytest.raises(ConfigError, match=r"dataset\.video_root.*clips"):
-        check_paths(cfg)
+        check_inputs(cfg)
     (tmp_path / "data/clips").mkdir()
     with pytest.raises(ConfigError, match=r"model\.checkpoint.*ckpt/tiny"):
-        check_paths(cfg)
+        check_inputs(cfg)
     (tmp_path / "ckpt/tiny").mkdir(parents=True)
     with pytest.raises(ConfigError, match=r"model\.checkpoint: .*ckpt/tiny has no config\.json"):
-        check_paths(cfg)      # the mlx engine reads a Hugging Face checkpoint directory
+        check_inputs(cfg)      # the mlx engine reads a Hugging Face checkpoint directory
     (tmp_path / "ckpt/tiny/config.json").write_text("{}")
-    check_paths(cfg)
+    check_inputs(cfg)
 
 
 # Settings that change answers must change the fingerprint; the others must not (resume across them).
@@ -146,7 +147,7 @@ def _random_settings(rng: random.Random) -> tuple[dict, dict]:
     lo, hi = rng.choice([None, 3136, 50176, 200704]), rng.choice([None, 3136, 50176, 200704])
     model = {"checkpoint": "ckpt", "min_pixels": lo, "max_pixels": hi,
              "dtype": rng.choice(["auto", "float32", "bfloat16"]), "temporal_step": rng.choice(["nominal", "actual"]),
-             "max_model_len": rng.choice([16, 4096]), "max_num_batched_tokens": rng.choice([16, 8192])}
+             "max_model_len": rng.choice([16, 4096]), "max_num_batched_tokens": rng.choice([16, 8192, "auto"])}
     prompt = {"option_labels": labels, "template": rng.choice([None, "{question} {options}", "Q: {question}"])}
     return model, prompt
 

@@ -150,7 +150,9 @@ def test_a_dead_engine_replica_costs_only_its_clips_and_the_job_goes_on(tmp_path
             assert r["pred_index"] == h.expected_choice(r["row_id"], len(r["options"]))
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["engines"] == 2 and stats["dead_replicas"] == [dead] and stats["engine_gpus"] == 0
-    assert stats["engine_busy_by_replica"][1 - dead] > 0 and stats["bound_by"] in ("decode", "engine", "driver")
+    # Which replica answered the other clips depends on when the crash clip's decode finished (it may be the
+    # last one answered, after the first replica took everything else): the job's busy time, not a replica's.
+    assert stats["engine_busy_s"] > 0 and stats["bound_by"] in ("decode", "engine", "driver")
 
 
 def test_when_every_replica_died_the_run_stops_and_a_rerun_resumes(tmp_path, h, synthetic, isolated_network):

@@ -15,6 +15,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]   # each starts Ray (12-20 s on
 def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isolated_network):
     res = h.run_cli("demo", "--cache", str(tmp_path), "--clips", "6", "--model-type", model_type, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
+    summary = " ".join(res.stdout.split())   # the table wraps long cells
+    assert "memory budget" in summary and "auto: 75% of RAM, less" in summary and "KV" in summary, res.stdout
+    assert "start-up" in summary and "to the first answer" in summary and "engine_load" in summary, res.stdout
     root = tmp_path / "demo"
     records = h.manifest_records(root / "manifest.jsonl")
     suffix = "" if model_type == "qwen2_5_vl" else f"-{model_type}"
@@ -32,6 +35,11 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
     engine = read_file_metadata(root / f"output{suffix}")["engine"]   # who answered, on what (issue 10)
     assert engine["engine"] == "mlx" and engine["device"] == "cpu" and engine["dtype"] == "float32"
     assert engine["attention_backend"] == "portable" and engine["attention_reason"]
+    memory = engine["memory"]     # the budget, where it came from and what it bought (issue 18)
+    assert memory["device"] == "cpu" and memory["kv_blocks"] > 0
+    assert memory["budget_source"].startswith("auto: 75% of RAM, less ")   # the decoders and Ray's store
+    assert 0 < memory["weights_bytes"] + memory["kv_bytes"] < memory["budget_bytes"]
+    assert memory["budget_gb"] <= memory["device_memory_gb"]
 
     rep = h.run_cli("report", str(root / f"output{suffix}"), "--json")
     s = json.loads(rep.stdout)

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchjob.datasets import Row
-from batchjob.pipeline.output import (MANIFEST, OutputMismatch, PartWriter, done_row_ids, lock_output,
+from batchjob.pipeline.output import (MANIFEST, OutputBusy, OutputMismatch, PartWriter, done_row_ids, lock_output,
                                       prepare_output, read_file_metadata, read_output)
 from batchjob.pipeline.report import summarize
 from batchjob.contract import ClipMetadata, DecodeStatus
@@ -72,8 +72,8 @@ def test_group_by_clip_partitions_pending_rows():
 def test_parts_resume_and_report(tmp_path):
     rng = random.Random()
     rows = random_rows(rng, rng.randint(10, 80))
-    skip = prepare_output(tmp_path, "fp1", {"job": "t"}, restart=False)
-    assert skip == set() and json.loads((tmp_path / MANIFEST).read_text())["fingerprint"] == "fp1"
+    assert prepare_output(tmp_path, "fp1", {"job": "t"}, restart=False).existing is None
+    assert json.loads((tmp_path / MANIFEST).read_text())["fingerprint"] == "fp1"
     start = datetime(2026, 1, 1, tzinfo=timezone.utc)
     results, t = [], start
     writer = PartWriter(tmp_path, {"job": "t", "fingerprint": "fp1"}, rows_per_part=rng.randint(1, 9),
@@ -84,8 +84,9 @@ def test_parts_resume_and_report(tmp_path):
         results.append(make_result(rng, r, "run1", start, t))
         writer.add([results[-1]])
     writer.flush()
-    (tmp_path / "part-00999.parquet.tmp").write_bytes(b"torn")       # what a SIGKILL mid-write leaves
-    skip = prepare_output(tmp_path, "fp1", {"job": "t"}, restart=False)
+    (tmp_path / ".part-00999.parquet.tmp").write_bytes(b"torn")       # what a SIGKILL mid-write leaves
+    (tmp_path / "part-00998.parquet.tmp").write_bytes(b"torn")        # ... and what older versions left
+    skip = set(prepare_output(tmp_path, "fp1", {"job": "t"}, restart=False).existing.column("row_id").to_pylist())
     assert skip == {r.row_id for r in first_run}
     assert not list(tmp_path.glob("*.tmp"))
     start2 = t + timedelta(seconds=100)
@@ -131,7 +132,7 @@ def test_fingerprint_guard_and_restart(tmp_path):
     assert len(list(tmp_path.glob("part-*.parquet"))) == 3
     with pytest.raises(OutputMismatch, match="--restart"):
         prepare_output(tmp_path, "fp2", {}, restart=False)
-    assert prepare_output(tmp_path, "fp2", {}, restart=True) == set()
+    assert prepare_output(tmp_path, "fp2", {}, restart=True).existing is None
     assert not list(tmp_path.glob("part-*.parquet"))
     assert json.loads((tmp_path / MANIFEST).read_text())["fingerprint"] == "fp2"
     stray = tmp_path / "stray"
@@ -145,7 +146,7 @@ def test_one_run_per_output_directory(tmp_path):
     import os
 
     fd = lock_output(tmp_path / "out")
-    with pytest.raises(OutputMismatch, match="another batchjob run"):
+    with pytest.raises(OutputBusy, match="another batchjob run"):
         lock_output(tmp_path / "out")
     os.close(fd)                       # the run ends (or is killed): the lock goes with it
     os.close(lock_output(tmp_path / "out"))

@@ -115,3 +115,22 @@ def test_defaults_are_auto_and_stay_out_of_the_fingerprint():
     a, b = job(), job(engine_actors=2, decode_actors=7, engine_gpus=1)
     assert (a.runtime.decode_actors, a.runtime.engine_actors, a.runtime.engine_gpus) == ("auto",) * 3
     assert a.fingerprint() == b.fingerprint()
+
+
+def test_object_store_is_sized_from_the_clips_in_flight_never_above_rays_default():
+    from batchjob.pipeline.resources import OBJECT_STORE_MIN, OBJECT_STORE_PER_CLIP, object_store_bytes
+
+    gib = 2**30
+    assert object_store_bytes(1, 128 * gib) == OBJECT_STORE_MIN                 # a floor for small jobs
+    assert object_store_bytes(16, 128 * gib) == 16 * OBJECT_STORE_PER_CLIP       # what flies, not 38 GiB
+    assert object_store_bytes(64, 128 * gib) == 64 * OBJECT_STORE_PER_CLIP
+    assert object_store_bytes(512, 24 * gib) == int(24 * gib * 0.3)            # capped at Ray's own default
+    assert object_store_bytes(16, 4 * gib) == int(4 * gib * 0.3)
+
+
+def test_host_reserved_counts_the_decoders_and_the_object_store():
+    from batchjob.pipeline.resources import DECODER_RESIDENT, host_reserved_bytes, object_store_bytes
+
+    gib = 2**30
+    assert host_reserved_bytes(14, 16, 128 * gib) == 14 * DECODER_RESIDENT + object_store_bytes(16, 128 * gib)
+    assert host_reserved_bytes(0, 1, 16 * gib) == object_store_bytes(1, 16 * gib)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -37,9 +38,27 @@ def check_rows(h, rows, manifest, clips, num_frames, failing=()):
         assert abs(sum(row["probs"]) - 1) < 1e-5
 
 
+def check_startup(stats: dict, rows: list[dict], launched: float) -> None:
+    """The start-up breakdown: the driver's steps in order, adding up to the total, and the total equal to what
+    the outside sees: from launching the command to the first row's `finished_at` (minus Python's own spawn)."""
+    st = stats["startup"]
+    assert list(st["steps"]) == ["launch", "preflight", "output_scan", "ray_start", "engine_load", "writer",
+                                 "first_answer"]
+    assert all(v >= 0 for v in st["steps"].values()) and sum(st["steps"].values()) == pytest.approx(st["total_s"])
+    first_row = min(r["finished_at"] for r in rows).timestamp()
+    assert abs((first_row - launched) - st["total_s"]) < 0.5, (first_row - launched, st)
+    assert st["total_s"] < stats["wall_s"] + st["steps"]["launch"]
+    engine = st["engine_load"]         # the plugin engine does not itemise its load: the host's steps + "load"
+    assert list(engine) == ["actor_process", "engine_module", "load"]
+    assert sum(engine.values()) <= st["steps"]["engine_load"] + 0.05
+    assert 0 <= st["overlapped"]["decoders_ready_median_s"] <= st["overlapped"]["decoders_ready_last_s"]
+    assert stats["host_peak_mb"] >= stats["peak_rss_mb"] > 0 and len(stats["actor_peak_rss_mb"]["decoders"]) >= 1
+
+
 def test_run_report_resume_and_fingerprint(tmp_path, h, synthetic, isolated_network):
     manifest, clips = synthetic
     cfg = h.write_config(tmp_path / "job.yaml", manifest)
+    launched = time.time()
     res = h.run_cli("run", str(cfg), "--stats-json", str(tmp_path / "stats.json"))
     assert res.returncode == 0, res.stderr[-3000:]
     out = tmp_path / "out"
@@ -49,6 +68,7 @@ def test_run_report_resume_and_fingerprint(tmp_path, h, synthetic, isolated_netw
     assert stats["done_rows"] == stats["total_rows"] == len(rows) and stats["error_rows"] == 0
     assert 0 < stats["stream_s"] < stats["wall_s"] and stats["decode_busy_s"] > 0 and stats["engine_busy_s"] >= 0
     assert stats["model"] == "deterministic-test" and stats["rows_per_s"] == pytest.approx(len(rows) / stats["wall_s"])
+    check_startup(stats, rows, launched)
     for part in out.glob("part-*.parquet"):
         pf = pq.ParquetFile(part)
         assert pf.schema_arrow.remove_metadata().equals(SCHEMA)

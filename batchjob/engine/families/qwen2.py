@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..lm_fusion import fuse_decoder_projections
 from ..mrope import mrope_positions, placeholder_runs, video_temporal_interval
+from ..patch_embed import matmul_patch_embed
 from ..preprocess import load_vision_settings
 from ..qwen2_vision import encode_qwen2
 from ..qwen25_vision import encode_qwen25, patch_window_index
@@ -56,6 +58,8 @@ class Qwen2VLFamily(ModelFamily):
     def tune_model(self, model) -> None:
         if self.hf_config["model_type"] == "qwen2_5_vl":
             fuse_gated_mlps(model.vision_tower.blocks)     # GEMM-friendly widths (vision_mlp.py)
+        matmul_patch_embed(model.vision_tower)             # the Conv3d as the matmul it is (patch_embed.py)
+        fuse_decoder_projections(model.language_model)     # one GEMM for q/k/v, one for gate/up (lm_fusion.py)
 
     def encode_video(self, model, pixel_values, grid_thw, dtype) -> mx.array:
         """Our packed tower forward (the plan built once per call, no host sync per layer): equal to mlx-vlm's."""

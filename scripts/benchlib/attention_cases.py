@@ -1,0 +1,87 @@
+"""One layer's attention alone on the batches the engine meets: the engine's attention against SDPA baselines."""
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+
+from .timing import ms_per_call
+
+# name -> (new tokens per sequence, cached tokens per sequence, clip sharing its cached prefix blocks)
+CASES = {"packed_prefill": ([2100] * 4, [0] * 4, False), "mixed_30000_5000_10": ([30000, 5000, 10], [0, 0, 0], False),
+         # questions over one clip's cached prefix, as the engine lays them out (shared blocks) and as before (not)
+         "follower": ([40] * 12, [2100] * 12, True), "follower_unshared": ([40] * 12, [2100] * 12, False)}
+SMALL = {"packed_prefill": ([21] * 4, [0] * 4, False), "mixed_30000_5000_10": ([300, 50, 1], [0, 0, 0], False),
+         "follower": ([6] * 12, [64] * 12, True), "follower_unshared": ([6] * 12, [64] * 12, False)}
+
+
+def attention_cases(dtype, engine_attention, repeats: int, shape: dict, small: bool = False) -> dict:
+    """Rows per case: `sdpa_per_sequence_ms` (the portable path as it was before grouping: one SDPA per
+    sequence, 512-row chunks, K/V gathered from the cache), `engine_attention_ms` (the engine's attention
+    function called as a layer calls it, new K/V included, its plan built inside every timed call as in a
+    one-layer forward), `engine_attention_planned_ms` (the plan already built, as in layers 2..N),
+    `engine_attention_first_call_ms` (its very first call on these shapes: plan, compilation, cuDNN graph
+    build), `engine_attention_sdpa_calls`, and `sdpa_padded_ms` (one SDPA over the batch padded to its longest
+    query and context, K/V already gathered: what a padded engine pays for attention alone)."""
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, (q_lens, cached, shared) in (SMALL if small else CASES).items():
+        out[name] = _case(rng, dtype, engine_attention, repeats, shape, q_lens, cached, shared)
+        gc.collect()   # the case's cache and padded copies go before the next one's
+    return out
+
+
+def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cached, shared: bool) -> dict:
+    import mlx.core as mx
+
+    from batchjob.metal_backend import paged_attention
+    from batchjob.metal_backend.probe import make_ragged_batch
+
+    hq, hkv, d = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
+    block_size = 16
+    b = make_ragged_batch(rng, q_lens, cached, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=block_size,
+                          dtype=dtype, shuffle_blocks=False, prefix_groups=[0 if shared else -1] * len(q_lens),
+                          shared_blocks=min(cached) // block_size if shared else 0)
+    scale = d ** -0.5
+    row = {"flops": 4 * hq * d * sum(q * c + q * (q + 1) / 2 for q, c in zip(q_lens, cached))}
+
+    def bench(fn):
+        return ms_per_call(fn, inner=1, repeats=repeats)
+
+    row["sdpa_per_sequence_ms"] = bench(lambda: paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale,
+                                                                group_rows=1))
+    new_kv = tuple(c.reshape(-1, hkv, d)[b.meta.slot_mapping] for c in (b.k_cache, b.v_cache))
+    mx.eval(new_kv)
+
+    def engine(replan: bool):
+        if replan:
+            b.meta.plan_cache.clear()
+        return engine_attention(b.q, b.k_cache, b.v_cache, b.meta, scale, new_kv=new_kv)
+
+    try:
+        b.meta.plan_cache.clear()
+        t0 = time.perf_counter()
+        mx.eval(engine(True))
+        row["engine_attention_first_call_ms"] = (time.perf_counter() - t0) * 1e3
+        row["engine_attention_ms"] = bench(lambda: engine(True))
+        row["engine_attention_planned_ms"] = bench(lambda: engine(False))
+        plans = [v for k, v in b.meta.plan_cache.items() if k[0] == "attention_plan" and len(k) == 5]
+        if plans:
+            row["engine_attention_sdpa_calls"] = plans[0].num_calls
+            row["engine_attention_folded_calls"] = sum(c.key_slots is not None for c in plans[0].calls)
+    except Exception as exc:
+        row["engine_attention_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    lq, lc = max(q_lens), max(q + c for q, c in zip(q_lens, cached))
+    qp = mx.random.normal((len(q_lens), hq, lq, d)).astype(dtype)
+    kp = mx.random.normal((len(q_lens), hkv, lc, d)).astype(dtype)
+    vp = mx.random.normal((len(q_lens), hkv, lc, d)).astype(dtype)
+    try:
+        row["sdpa_padded_ms"] = bench(lambda: mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=scale,
+                                                                                   mask="causal"))
+    except Exception as exc:
+        row["sdpa_padded_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    best = min(row[k] for k in ("sdpa_per_sequence_ms", "engine_attention_ms") if k in row)
+    row["best_paged_ms"] = best
+    row["best_tflops"] = row["flops"] / best / 1e9
+    return row

@@ -1,0 +1,46 @@
+"""The hardware's measured bf16 matmul rate: the denominator of every MFU figure, taken in the same run."""
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def mlx_matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of an n x n x n bf16 matmul in MLX on its default device (median of `reps`)."""
+    import mlx.core as mx
+
+    a = mx.random.normal((n, n)).astype(mx.bfloat16)
+    b = mx.random.normal((n, n)).astype(mx.bfloat16)
+    mx.eval(a, b)
+    for _ in range(3):
+        mx.eval(a @ b)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(a @ b)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / median(times)
+
+
+def torch_matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
+    """The same in torch on CUDA, timed with CUDA events."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / median(times)

@@ -1,0 +1,170 @@
+"""Where one packed LM prefill forward spends its time: each step of a decoder layer timed alone with the
+forward's real shapes, the whole layer, the whole forward, and the host's share (graph building, syncs).
+
+What is left after the steps is reported, not hidden: `other_ms` = whole layer - sum of its steps (fusion
+losses, allocation, launches between kernels), `outside_layers_ms` = forward - layers x whole layer
+(embedding, video rows, positions, LM head, the final sync), and `host_build_ms` (Python building the
+forward's graph before the device starts: the GPU idles through it unless forwards overlap).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .flops import lm_attention_flops, lm_linear_flops_per_token
+from .syncs import count_host_syncs, layers_marked
+from .timing import ms_per_call
+
+CATEGORIES = {"matmuls": ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down"), "attention": ("attention",),
+              "norms": ("input_norm", "post_norm", "qk_norm"), "rotary": ("rope",), "kv_write": ("kv_write",),
+              "elementwise": ("mlp_act", "residual_adds")}
+
+
+def _one_forward_batch(clf, requests):
+    """The requests as the engine schedules them, all in one forward (the budget raised to hold them)."""
+    from batchjob.engine.scheduler import Scheduler
+
+    call_id = next(clf._call_ids)
+    scheduler = Scheduler(clf.pool, 1 << 30)
+    for i, r in enumerate(requests):
+        scheduler.add(clf._prepare(i, r, call_id))
+    batch = scheduler.schedule()
+    if scheduler.waiting or any(not s.is_last_chunk for s in batch):
+        scheduler.abort_all()
+        raise RuntimeError("the profiled requests do not fit one forward (pool too small?)")
+    return scheduler, batch
+
+
+def profile_lm(clf, requests, dims: dict, ceiling: float, *, inner: int, repeats: int) -> dict:
+    """Profile one forward over `requests` (distinct clips: no prefix to wait for; their vision features
+    should already be cached, so no tower runs inside)."""
+    import mlx.core as mx
+
+    from batchjob.engine import runner
+    from batchjob.metal_backend import build_attention_metadata
+
+    model, cache = clf.checkpoint.model, clf.kv_cache
+    lm = model.language_model
+    num_layers, deepstack = len(lm.model.layers), clf.checkpoint.family.num_deepstack
+    out: dict = {}
+    with mx.stream(clf._device):
+        scheduler, batch = _one_forward_batch(clf, requests)
+        try:
+            video = clf._video_rows(batch, requests)
+
+            def forward():
+                return runner.forward(model, batch, cache, clf._attention, video, deepstack)
+
+            forward()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                forward()
+                times.append((time.perf_counter() - t0) * 1e3)
+            out["forward_ms"] = sorted(times)[len(times) // 2]
+            with count_host_syncs() as log, layers_marked(log, lm.model.layers):
+                t0 = time.perf_counter()
+                forward()
+                total = time.perf_counter() - t0
+            out.update(log.as_dict())
+            out["host_build_ms"] = (log.first_eval_s or total) * 1e3
+            meta = build_attention_metadata([s.attention_slice() for s in batch], cache.block_size)
+            tokens = meta.num_tokens
+            out.update(tokens=tokens, sequences=len(batch), layers=num_layers,
+                       sdpa_calls_per_layer=None)
+            layer_ms = _layer_steps(clf, batch, video, meta, out, inner=inner, repeats=repeats)
+        finally:
+            scheduler.abort_all()
+    # FLOPs of one layer at this batch, the per-category split, and what the steps leave unexplained
+    linear = tokens * lm_linear_flops_per_token(dims)
+    attention = sum(lm_attention_flops(s.num_new, s.seq.num_computed, dims) for s in batch)
+    steps = out["steps_ms"]
+    out["categories_ms"] = {c: sum(steps.get(k, 0.0) for k in ks) for c, ks in CATEGORIES.items()}
+    out["other_ms"] = layer_ms - sum(out["categories_ms"].values())
+    out["outside_layers_ms"] = out["forward_ms"] - num_layers * layer_ms
+    out["layer_flops"] = {"linear": linear, "attention": attention}
+    out["ideal_layer_ms"] = (linear + attention) / ceiling * 1e3
+    out["mfu_layer"] = out["ideal_layer_ms"] / layer_ms
+    out["mfu_forward"] = num_layers * out["ideal_layer_ms"] / out["forward_ms"]
+    mm = out["categories_ms"]["matmuls"]
+    out["matmul_tflops"] = linear / mm / 1e9 if mm else None
+    att = steps.get("attention")
+    out["attention_tflops"] = attention / att / 1e9 if att else None
+    return out
+
+
+def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int) -> float:
+    """Time each step of layer 0 on the forward's real inputs; fills out["steps_ms"], returns the whole layer."""
+    import mlx.core as mx
+
+    from batchjob.engine import runner
+    from batchjob.engine.attention import AttentionContext, attention_context
+    from batchjob.engine.fused_ops import rotate_half_rope, swiglu_halves
+    from batchjob.metal_backend import write_kv
+
+    lm, cache = clf.checkpoint.model.language_model, clf.kv_cache
+    layer = lm.model.layers[0]
+    attn = getattr(layer.self_attn, "inner", layer.self_attn)
+    hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    injection = runner._video_injection(batch, video)
+    x = runner._embed(lm, batch, injection)[None]
+    positions = np.concatenate([s.seq.positions[:, s.seq.num_computed:s.seq.num_computed + s.num_new]
+                                for s in batch], axis=1)
+    cos, sin = layer.self_attn.rotary_emb(x, mx.array(positions[:, None, :]))
+    mx.eval(x, cos, sin)
+    t = x.shape[1]
+    time_ = lambda fn, n=inner: ms_per_call(fn, inner=n, repeats=repeats)  # noqa: E731
+    steps: dict = {}
+    ctx = AttentionContext(meta, cache, clf._attention)
+    with attention_context(ctx):
+        steps["input_norm"] = time_(lambda: layer.input_layernorm(x))
+        xn = layer.input_layernorm(x)
+        if "qkv_proj" in attn:
+            steps["qkv_proj"] = time_(lambda: attn.qkv_proj(xn))
+            qkv = attn.qkv_proj(xn).reshape(t, hq + 2 * hkv, d)
+            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        else:
+            steps["qkv_proj"] = time_(lambda: [attn.q_proj(xn), attn.k_proj(xn), attn.v_proj(xn)])
+            q, k, v = (p(xn).reshape(t, h, d) for p, h in ((attn.q_proj, hq), (attn.k_proj, hkv), (attn.v_proj, hkv)))
+        if hasattr(attn, "q_norm"):
+            steps["qk_norm"] = time_(lambda: [attn.q_norm(q), attn.k_norm(k)])
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        c, s = cos[0][:, None, :], sin[0][:, None, :]
+        steps["rope"] = time_(lambda: [rotate_half_rope(q, c, s), rotate_half_rope(k, c, s)])
+        q, k = rotate_half_rope(q, c, s), rotate_half_rope(k, c, s)
+        mx.eval(q, k, v)
+
+        def kv_write():   # in place, as the layer writes it (the old arrays are released, so no copy)
+            cache.k[0], cache.v[0] = write_kv(cache.k[0], cache.v[0], k, v, meta)
+            return [cache.k[0], cache.v[0]]
+
+        steps["kv_write"] = time_(kv_write, 1)
+        clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v))   # plan built once
+        steps["attention"] = time_(lambda: clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v)))
+        plans = [p for key, p in meta.plan_cache.items() if key[0] == "attention_plan"]
+        if plans:
+            out["sdpa_calls_per_layer"] = plans[0].num_calls
+        a = clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v)).reshape(1, t, -1)
+        steps["o_proj"] = time_(lambda: attn.o_proj(a))
+        h1 = x + attn.o_proj(a)
+        hn = layer.post_attention_layernorm(h1)
+        mx.eval(h1, hn)
+        steps["post_norm"] = time_(lambda: layer.post_attention_layernorm(h1))
+        steps["residual_adds"] = 2 * time_(lambda: x + h1)
+        mlp = layer.mlp
+        if hasattr(mlp, "gate_up"):
+            steps["mlp_gate_up"] = time_(lambda: mlp.gate_up(hn))
+            gu = mlp.gate_up(hn)
+            mx.eval(gu)
+            steps["mlp_act"] = time_(lambda: swiglu_halves(gu))
+            act = swiglu_halves(gu)
+            mx.eval(act)
+            steps["mlp_down"] = time_(lambda: mlp.down(act))
+            del gu, act
+        else:   # a MoE block (or unfused MLP): timed whole, as matmuls
+            steps["mlp_gate_up"] = time_(lambda: mlp(hn))
+        whole = time_(lambda: layer(x, None, None, None, (cos, sin)))
+    out["steps_ms"] = steps
+    out["layer_ms"] = whole
+    return whole

@@ -1,0 +1,102 @@
+"""The benchmark's model and requests: a random model in a published shape behind the engine's own loading path,
+and clips prepared once up front (the pipeline prepares them in its decode workers)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+QUESTIONS = ["What is the person doing in the video?", "Which object moves first?",
+             "Where does the action take place?", "What happens right after the door opens?"]
+
+
+@dataclasses.dataclass
+class BenchModel:
+    """One model row's engine and what the baselines need to build their own copies."""
+
+    model_type: str
+    dims: dict
+    layers: int
+    vision_layers: int
+    classifier: object        # batchjob.engine.Classifier over the random model
+    checkpoint: object        # its LoadedCheckpoint
+    config_dir: Path          # Hugging Face config of the random model (for transformers' copy)
+    tiny: object              # the tiny checkpoint it was built from (tokenizer, prompts)
+
+
+def build_model(model_type: str, dims: dict, layers: int, vision_layers: int, frames: int, size, tmp: Path,
+                dtype_name: str, engine_kwargs: dict) -> BenchModel:
+    """The random model in `dims`' shape, cut to `layers` / `vision_layers`, behind `Classifier`: the tiny
+    checkpoint is loaded by `load_checkpoint` (device, dtype, family, processor settings for `frames` frames
+    at `size`), its model replaced by the random one with the family's load-time fixes, as
+    `random_engine.random_classifier` does."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from batchjob.engine import Classifier, EngineConfig
+    from batchjob.engine.checkpoint import load_checkpoint
+    from batchjob.synthetic.random_engine import build_random_model, scaled_config
+    from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
+
+    area = size[0] * size[1]
+    if model_type == "qwen3_vl":   # the clip's pixel budget, as configs/nextqa-qwen3vl.yaml sets it
+        spec = TinyModelSpec(model_type=model_type, min_pixels=32 * 32 * 4, max_pixels=area,
+                             video_max_pixels=area * frames, deepstack_visual_indexes=(0, 1))
+    else:
+        spec = TinyModelSpec(model_type=model_type, max_pixels=area, min_pixels=28 * 28 * 4)
+    tiny_dir = write_tiny_checkpoint(tmp / f"tiny-{model_type}", spec)
+    big_dir = tmp / f"big-{model_type}"
+    big_dir.mkdir(exist_ok=True)
+    cfg = scaled_config(json.loads((tiny_dir / "config.json").read_text()), dims, layers, vision_layers)
+    (big_dir / "config.json").write_text(json.dumps(cfg))
+    for f in tiny_dir.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (big_dir / f.name).write_bytes(f.read_bytes())
+    config = EngineConfig(dtype=dtype_name, **engine_kwargs)
+    tiny = load_checkpoint(tiny_dir, config)
+    model = build_random_model(big_dir, tiny.dtype)
+    tiny.family.fix_model(model)   # what load_checkpoint does: window patch, stacked projections, fused MLPs...
+    mx.eval(model.parameters())
+    ckpt = dataclasses.replace(tiny, model=model, hf_config=cfg,
+                               weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())))
+    ckpt.family.hf_config = cfg
+    return BenchModel(model_type, dims, layers, vision_layers, Classifier(ckpt, config), ckpt, big_dir, tiny)
+
+
+def make_workload(bench: BenchModel, rng, clips: int, questions: int, frames: int, size, tag: str) -> list:
+    """`clips` random clips of `frames` frames at `size`, prepared with the checkpoint's processor settings,
+    `questions` questions each; loader-like metadata with the frames' times (Qwen3-VL writes them)."""
+    from batchjob.engine import ClassifyRequest, Clip
+    from batchjob.engine.preprocess import preprocess_video
+
+    requests = []
+    for c in range(clips):
+        pixels = rng.integers(0, 256, (frames, *size, 3), dtype=np.uint8)
+        indices = list(range(0, 15 * frames, 15))
+        metadata = {"fps": 30.0, "frames_indices": indices, "total_num_frames": 15 * frames,
+                    "duration": frames / 2.0, "frames_timestamps": [i / 30.0 for i in indices],
+                    "video_backend": "synthetic"}
+        inputs = preprocess_video(pixels, metadata, bench.checkpoint.vision)
+        clip = Clip(None, metadata, media_id=f"{tag}-clip{c}", inputs=inputs)
+        for q in range(questions):
+            options = tuple(f"option {k} for question {q}" for k in range(4))
+            requests.append(ClassifyRequest(f"{tag}-{c}-{q}", clip, QUESTIONS[q % len(QUESTIONS)], options))
+    return requests
+
+
+def fresh(requests, tag: str) -> list:
+    """The same requests under new media ids: nothing cached from an earlier run helps."""
+    clips, out = {}, []
+    for r in requests:
+        clip = clips.setdefault(r.clip.media_id, dataclasses.replace(r.clip, media_id=f"{r.clip.media_id}-{tag}"))
+        out.append(dataclasses.replace(r, clip=clip))
+    return out
+
+
+def prompt_ids(bench: BenchModel, request) -> list[int]:
+    """The request's prompt as the engine builds it (the family's layout: timestamps for Qwen3-VL)."""
+    ckpt, clf = bench.checkpoint, bench.classifier
+    return ckpt.family.video_prompt(clf.prompts, request.question, request.options, request.clip.inputs) \
+        .token_ids.tolist()

@@ -1,0 +1,108 @@
+"""scripts/bench_gpu.py: its FLOP counts against the models' own weights, and the whole script in --smoke mode
+for both model rows (it runs on the GPU machine once per session, so it must work the first time and leave
+every figure and profile key the issue's targets are read from)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchlib import flops  # noqa: E402
+
+MODELS = ["qwen2_5_vl", "qwen3_vl"]
+
+
+def _random_model(tmp_path, model_type: str, layers: int, v_layers: int):
+    from batchjob.synthetic.random_engine import SHAPES, build_random_model, scaled_config
+    from batchjob.synthetic.tiny_model import SPECIAL_TOKENS, TinyModelSpec, checkpoint_config
+
+    dims = SHAPES[model_type][1]
+    tiny = checkpoint_config(TinyModelSpec(model_type=model_type),
+                             {t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)}, 1024)
+    cfg = scaled_config(tiny, dims, layers, v_layers)
+    path = tmp_path / model_type
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    import mlx.core as mx
+
+    return dims, build_random_model(path, mx.float32), cfg
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_flop_counts_match_the_models_weights(tmp_path, model_type):
+    """Per token, a decoder layer does 2 FLOPs per weight of its linears; a vision block 2 per weight per
+    patch; the scaled config has the published layout (DeepStack taps cut with the depth)."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    dims, model, cfg = _random_model(tmp_path, model_type, 2, 3)
+
+    def linear_weights(module):
+        return sum(m.weight.size for _, m in module.named_modules() if isinstance(m, nn.Linear))
+
+    layer = model.language_model.model.layers[0]
+    assert flops.lm_linear_flops_per_token(dims) == 2.0 * linear_weights(layer)
+    block = model.vision_tower.blocks[0]
+    assert flops.vision_block_linear_flops(10, model_type, dims) == 2.0 * 10 * linear_weights(block)
+    if model_type == "qwen3_vl":
+        assert cfg["vision_config"]["deepstack_visual_indexes"] == [0, 1, 2]
+        assert len(model.vision_tower.deepstack_merger_list) == 3
+        assert cfg["text_config"]["head_dim"] == dims["head_dim"]
+    assert len(model.language_model.model.layers) == 2 and len(model.vision_tower.blocks) == 3
+    assert sum(v.size for _, v in tree_flatten(model.parameters())) > 0
+    # attention: causal rows see cached + j + 1 keys
+    assert flops.lm_attention_flops(3, 5, dims) == 4.0 * dims["heads"] * flops.head_dim(dims) * (3 * 5 + 6)
+
+
+# The GPU machine's image has torch, transformers, numpy and pyyaml, not the pipeline's packages: the script
+# must run with only MLX's archive staged (docs/gpu_run.md), so the smoke run hides them.
+RUN_WITHOUT_PIPELINE_PACKAGES = """
+import runpy, sys
+for name in ("pydantic", "av", "ray", "cronsim", "jsonschema"):
+    sys.modules[name] = None
+sys.argv = sys.argv[1:]
+sys.path.insert(0, sys.argv[0].rsplit("/", 1)[0])
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-c", RUN_WITHOUT_PIPELINE_PACKAGES, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke",
+           "--model", *MODELS, "--clips", "2", "--questions", "2", "--distinct", "3", "--frames", "4", "--size", "112",
+           "112", "--repeats", "1", "--inner", "1", "--hf-sequential", "1", "--hf-batch", "2", "--hf-batches", "1",
+           "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (path,) = tmp_path.glob("*-qwen2_5_vl-qwen3_vl-*.json")
+    report = json.loads(path.read_text())
+    bench = __import__("bench_gpu")
+    figures = report["figures"]
+    for prefix in ("", "qwen3_vl."):
+        for key in bench.STABLE + bench.PROFILE:
+            value = figures[prefix + key]
+            assert isinstance(value, (int, float)) and math.isfinite(value), (prefix + key, value)
+        assert figures[prefix + "lm_forwards_per_prefill"] == 1      # 3 distinct prompts: one forward under auto
+        assert figures[prefix + "vision_host_syncs"] == 0            # the planned tower never waits for the device
+        assert figures[prefix + "mlx_vlm_vision_host_syncs"] > 0     # mlx-vlm's does (the counter sees syncs)
+        assert figures[prefix + "lm_host_syncs_in_layers"] == 0
+    rows = {"qwen2_5_vl": report, "qwen3_vl": report["qwen3_vl"]}
+    for model_type, row in rows.items():
+        assert row["model_type"] == model_type and set(row["timings_s"]) >= {"build", "vision", "lm_profile"}
+        lp, vp = row["lm_profile"], row["vision_profile"]
+        assert set(lp["categories_ms"]) == {"matmuls", "attention", "norms", "rotary", "kv_write", "elementwise"}
+        assert lp["steps_ms"]["attention"] > 0 and lp["tokens"] == row["lm_prefill"]["tokens"]
+        assert row["lm_prefill"]["tokens"] == row["lm_prefill"]["mlx_vlm_contiguous_tokens"]   # like for like
+        assert vp["block_kinds"] and vp["steps_ms"]["patch_embed"] > 0
+        assert row["attention"]["follower"]["engine_attention_sdpa_calls"] >= 1
+    assert "position_embedding" in rows["qwen3_vl"]["vision_profile"]["steps_ms"]
+    assert set(rows["qwen2_5_vl"]["vision_profile"]["block_kinds"]) == {"window_attention", "full_attention"}
+    assert "bench_gpu.py --smoke" in report["environment"]["command"]
+    assert (tmp_path / "partial-Lall-Vall.json").is_file()
