@@ -67,6 +67,9 @@ def _summary_table(stats, summary: dict | None) -> Table:
         t.add_row(label, value)
     if summary and summary.get("accuracy") is not None:
         t.add_row("accuracy (all output)", f"{summary['accuracy']:.4f} over {summary['scored']} rows")
+        for cat, v in (summary.get("per_category") or {}).items():
+            if len(summary["per_category"]) > 1 and v.get("accuracy") is not None:
+                t.add_row(f"  {cat}", f"{v['accuracy']:.4f} over {v['n']} rows")
     return t
 
 

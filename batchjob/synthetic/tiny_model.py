@@ -99,6 +99,7 @@ class TinyModelSpec:
     moe_intermediate_size: int = 48
     tie_word_embeddings: bool = False
     video_max_pixels: int = 32 * 32 * 64
+    rope_theta: float | None = None   # None: the family's (1e6 for Qwen2.5-VL, 5e6 for Qwen3-VL)
     # Extra lines the tokenizer's merges are learned from (the demo model's question words become single tokens).
     corpus: tuple[str, ...] = ()
 
@@ -195,7 +196,7 @@ def checkpoint_config(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
         "hidden_act": "silu",
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
+        "rope_theta": spec.rope_theta or 1000000.0,
         "rope_scaling": {"type": "mrope", "mrope_section": mrope_section(head_dim)},
         "vocab_size": vocab_size,
         "tie_word_embeddings": False,
@@ -230,7 +231,7 @@ def qwen3_config(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size: int
         "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
         "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads, "head_dim": head_dim, "hidden_act": "silu",
-        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": spec.rope_theta or 5000000.0,
         "rope_scaling": {"rope_type": "default", "mrope_section": mrope_section(head_dim), "mrope_interleaved": True},
         "vocab_size": vocab_size, "tie_word_embeddings": spec.tie_word_embeddings, "attention_bias": False,
         "attention_dropout": 0.0, "initializer_range": spec.initializer_range, "dtype": "float32",

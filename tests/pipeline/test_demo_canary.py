@@ -1,0 +1,116 @@
+"""The end-to-end accuracy canary: the committed demo model, a full `batchjob run` (console script, Ray, decoders,
+engine, Parquet) on fresh seeded clips, must answer as well as it did at training time, and must not when the
+frames go wrong on the way (reversed, colour channels swapped, order shuffled).
+
+What it protects: the chain from the file to the answer (decoding, frame choice and order, colour conversion,
+preprocessing, prompt, positions), which parity with transformers does not see: a mistake there leaves outputs
+well formed and only makes them wrong.
+
+The bar per question kind is the accuracy recorded at training time (`training.json`), less a margin that a
+correct run misses with probability below 1e-4 (binomial tail at the recorded accuracy, for this run's number
+of questions); each fault must drop the kinds it breaks below that bar.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("isolated_network")
+
+HERE = Path(__file__).resolve().parent
+CLIPS = 24
+MISS_PROBABILITY = 1e-4
+# what each fault breaks: reversed time flips direction and order; BGR swaps red and blue (colour, and the
+# order question, whose options are colours); shuffled frames scramble motion
+BROKEN = {"reversed": ("direction", "order"), "channels": ("colour",), "shuffled": ("direction", "order")}
+
+
+def bar(recorded: float, n: int) -> float:
+    """The lowest accuracy over `n` questions that a model of accuracy `recorded` falls below with probability
+    under MISS_PROBABILITY: the largest k/n with P(X < k) < MISS_PROBABILITY, X ~ Binomial(n, recorded)."""
+    tail, k = 0.0, 0
+    while k <= n:
+        p_k = math.comb(n, k) * recorded**k * (1 - recorded) ** (n - k)
+        if tail + p_k >= MISS_PROBABILITY:
+            break
+        tail += p_k
+        k += 1
+    return k / n
+
+
+def test_bar_is_a_binomial_tail():
+    """The bar against a simulation: a model at the recorded accuracy lands below it about as rarely as claimed
+    (checked at a looser level the simulation can resolve), and the bar sits below the recorded accuracy."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for recorded, n in ((0.97, 24), (0.9, 40), (0.6, 12)):
+        level = bar(recorded, n)
+        assert level < recorded
+        below = (rng.binomial(n, recorded, size=200_000) / n < level).mean()
+        assert below < 5 * MISS_PROBABILITY + 1e-4, (recorded, n, level, below)
+        one_more = (rng.binomial(n, recorded, size=200_000) / n < level + 1 / n).mean()
+        assert one_more >= MISS_PROBABILITY, (recorded, n, level, one_more)   # the bar is the largest such
+
+
+@pytest.fixture(scope="module")
+def canary_run(tmp_path_factory, h, seed):
+    """One `batchjob run` over fresh clips, every question asked once per fault folder."""
+    from batchjob.demo import build_scene_clips
+    from batchjob.demo_model import packaged_model_dir
+
+    from canary_faults import FAULTS
+
+    model = packaged_model_dir("qwen2_5_vl")
+    if not (model / "training.json").is_file():
+        pytest.fail(f"{model}: no trained demo model (scripts/train_demo_model.py writes it)")
+    root = tmp_path_factory.mktemp("canary")
+    records = build_scene_clips(root / "clips" / "clean", CLIPS, seed=seed)
+    rows = []
+    for fault in FAULTS:
+        if fault != "clean":
+            (root / "clips" / fault).mkdir()
+            for name in {r["video"] for r in records}:
+                os.link(root / "clips" / "clean" / name, root / "clips" / fault / name)
+        rows += [{**r, "id": f"{fault}/{r['id']}", "video": f"{fault}/{r['video']}", "fault": fault} for r in records]
+    manifest = root / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = h.write_config(root / "job.yaml", manifest, engine="canary_faults:FaultyMlxEngine",
+                            checkpoint=str(model), model={"dtype": "auto", "max_pixels": 12544},
+                            loader={"name": "opencv", "num_frames": 8},
+                            runtime={"clips_per_batch": 4, "frames_in_flight": 8, "engine_cpus": 1},
+                            output={"directory": str(root / "out"), "rows_per_part": 256, "flush_seconds": 5})
+    r = h.run_console("run", str(config), timeout=600, env=h.cli_env(PYTHONPATH=os.pathsep.join(
+        [str(HERE), str(h.ROOT)])))
+    assert r.returncode == 0, r.stdout + r.stderr
+    accuracy: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    for row in h.read_rows(root / "out"):
+        assert row["error"] is None, row
+        fault = row["row_id"].split("/")[0]
+        accuracy[fault][row["category"]].append(bool(row["correct"]))
+    recorded = json.loads((model / "training.json").read_text())["accuracy"]
+    return recorded, accuracy
+
+
+def test_clean_run_reaches_recorded_accuracy(canary_run):
+    recorded, accuracy = canary_run
+    clean = accuracy["clean"]
+    assert set(clean) == set(recorded)
+    report = {k: (sum(v) / len(v), len(v), recorded[k], bar(recorded[k], len(v))) for k, v in clean.items()}
+    print("canary (accuracy, questions, recorded, bar):", report)
+    for kind, (acc, n, rec, level) in report.items():
+        assert acc >= level, f"{kind}: {acc:.3f} over {n} questions, below {level:.3f} (recorded {rec:.3f})"
+
+
+@pytest.mark.parametrize("fault", sorted(BROKEN))
+def test_fault_drops_accuracy_below_the_bar(canary_run, fault):
+    recorded, accuracy = canary_run
+    for kind in BROKEN[fault]:
+        answers = accuracy[fault][kind]
+        acc, level = sum(answers) / len(answers), bar(recorded[kind], len(answers))
+        assert acc < level, f"{fault}: {kind} still at {acc:.3f} over {len(answers)} (bar {level:.3f})"
