@@ -103,10 +103,9 @@ def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 16, mode
     (root / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text = resources.files("batchjob").joinpath("assets/demo.yaml").read_text()
     if model_type != "qwen2_5_vl":
-        recipe = RECIPES.get(model_type)
-        budget = recipe.max_pixels if recipe is not None else 65536
+        budget = RECIPES[model_type].max_pixels if is_trained(model_type) else 65536
         text = text.replace("  checkpoint: model\n", f"  checkpoint: {model}\n").replace(
-            "max_pixels: 12544 ", f"max_pixels: {budget} ").replace("job: demo\n", f"job: demo-{model_type}\n").replace(
+            "max_pixels: 7056 ", f"max_pixels: {budget} ").replace("job: demo\n", f"job: demo-{model_type}\n").replace(
             "directory: output\n", f"directory: output-{model_type}\n")
     config = root / ("demo.yaml" if model_type == "qwen2_5_vl" else f"demo-{model_type}.yaml")
     config.write_text(text)

@@ -42,8 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or packaged_model_dir(args.model_type)
     steps = args.steps or (8 if args.short else recipe.steps)
     eval_clips = args.eval_clips if args.eval_clips is not None else (0 if args.short else 400)
+    given = list(argv if argv is not None else sys.argv[1:])
+    if "--out" in given:                     # where it is written does not change what is trained
+        del given[given.index("--out"):given.index("--out") + 2]
     record = train(out, recipe, seed=args.seed, steps=steps, eval_clips=eval_clips, short=args.short,
-                   command=" ".join(["scripts/train_demo_model.py", *(argv if argv is not None else sys.argv[1:])]))
+                   command=" ".join(["scripts/train_demo_model.py", *given]))
     if args.short:
         first, last = record["fixed_batch_loss"]
         print(f"loss on a fixed batch: {first:.4f} -> {last:.4f}")
@@ -69,13 +72,13 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
     prep = EnginePrep(tmp, recipe.engine_config)
     model = load_for_training(tmp, prep.family)
     mx.random.seed(seed)
-    fixed = sample_batch(prep, np.random.default_rng(seed + 1), 16, recipe.num_frames)
+    fixed = sample_batch(prep, np.random.default_rng(seed + 1), 16, recipe.num_frames, recipe.one_question)
     grids = fixed.grids[:recipe.clips_per_step]    # every clip has one size and frame count: one grid, one shape
 
     warmup = max(1, min(recipe.warmup, steps // 10))
     schedule = optim.join_schedules([optim.linear_schedule(recipe.lr / 20, recipe.lr, warmup),
                                      optim.cosine_decay(recipe.lr, max(1, steps - warmup), recipe.lr / 50)], [warmup])
-    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=recipe.weight_decay)
+    optimizer = optim.AdamW(learning_rate=schedule, betas=list(recipe.betas), weight_decay=recipe.weight_decay)
     value_and_grad = nn.value_and_grad(model, lambda m, *arrays: loss(m, prep.family, grids, *arrays))
     state = [model.state, optimizer.state]
 
@@ -92,7 +95,8 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
         return float(loss(model, prep.family, fixed.grids, *fixed.arrays()))
 
     curve, before, running = [], fixed_loss(), []
-    stream = batch_stream(tmp, recipe.engine_config, seed, recipe.clips_per_step, recipe.num_frames, steps)
+    stream = batch_stream(tmp, recipe.engine_config, seed, recipe.clips_per_step, recipe.num_frames, steps,
+                          recipe.one_question)
     for step, batch in enumerate(stream, 1):
         if batch.grids != grids:
             raise RuntimeError(f"batch grids {batch.grids} differ from {grids}: the compiled step assumes one")
@@ -115,16 +119,15 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
               "fixed_batch_loss": [round(before, 5), round(after, 5)], "curve": curve}
     if eval_clips:
         eval_rng = np.random.default_rng(seed + 2)
-        batches = [sample_batch(prep, eval_rng, recipe.clips_per_step, recipe.num_frames)
+        batches = [sample_batch(prep, eval_rng, recipe.clips_per_step, recipe.num_frames, one_question=False)
                    for _ in range(max(1, eval_clips // recipe.clips_per_step))]
         record["accuracy"] = accuracy_by_kind(model, prep, batches)
         record["eval_clips"] = len(batches) * recipe.clips_per_step
         print("accuracy on fresh clips (uniform frames):", json.dumps(record["accuracy"]))
     save_hub_weights(model, tmp)
     record["training_seconds"] = round(time.perf_counter() - start, 1)
-    if not short or out != tmp:
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+    shutil.rmtree(out, ignore_errors=True)       # the old checkpoint goes only once the new one is complete
+    tmp.rename(out)
     record["sha256"] = checkpoint_sha256(out)
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out} in {record['training_seconds']:.0f} s")

@@ -16,7 +16,7 @@ import multiprocessing
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from queue import Empty
+from queue import Empty, Full
 from typing import Iterator, Sequence
 
 import mlx.core as mx
@@ -198,37 +198,52 @@ def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None
     return scene, frames, metadata
 
 
-def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_frames: int) -> Batch:
-    """`clips` fresh clips with every question each supports; every other clip has two or more movers, so
-    order questions are about as frequent as the others."""
+def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_frames: int,
+                 one_question: bool = True) -> Batch:
+    """`clips` fresh clips and questions about them: with `one_question`, one question per clip, the kinds in
+    turn (each kind equally often; a clip asked the order question has two or more movers); otherwise every
+    question each clip supports (every other clip with two or more movers). The prompt, not the video, is
+    most of a step's work: one question per clip sees more clips for the same work."""
     from batchjob.synthetic.scenes import KINDS, QUESTIONS, questions_for
 
     inputs, examples = [], []
     for c in range(clips):
-        scene, frames, metadata = sample_clip(rng, num_frames, order=bool(c % 2))
+        kind = KINDS[c % len(KINDS)]
+        scene, frames, metadata = sample_clip(rng, num_frames, order=kind == "order" if one_question else bool(c % 2))
         inputs.append(prep.clip_inputs(frames, metadata))
-        examples += [prep.example(c, inputs[-1], q) for q in questions_for(scene)]
-    # one shape for every batch (one compiled step): every question kind's prompt fits, four per clip
+        questions = questions_for(scene)
+        if one_question:
+            questions = [q for q in questions if q.kind == kind]
+        examples += [prep.example(c, inputs[-1], q) for q in questions]
+    # one shape for every batch (one compiled step): every question kind's prompt fits
     width = max(len(prep.example(0, inputs[0], Question(kind, text, options, 0)).token_ids)
                 for kind, (text, options) in QUESTIONS.items())
-    return prep.batch(inputs, examples, size=len(KINDS) * clips, width=width,
+    return prep.batch(inputs, examples, size=clips if one_question else len(KINDS) * clips, width=width,
                       most=max(len(options) for _, options in QUESTIONS.values()))
 
 
-def _produce(queue, checkpoint: str, config: EngineConfig, seed: int, clips: int, num_frames: int, count: int):
+def _produce(queue, checkpoint: str, config: EngineConfig, seed: int, clips: int, num_frames: int, count: int,
+             one_question: bool):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    prep, rng = EnginePrep(checkpoint, config), np.random.default_rng(seed)
+    prep, rng, parent = EnginePrep(checkpoint, config), np.random.default_rng(seed), os.getppid()
     for _ in range(count):
-        queue.put(sample_batch(prep, rng, clips, num_frames))
+        batch = sample_batch(prep, rng, clips, num_frames, one_question)
+        while True:
+            try:
+                queue.put(batch, timeout=5)
+                break
+            except Full:
+                if os.getppid() != parent:      # the trainer is gone (killed): stop, not wait forever
+                    return
 
 
 def batch_stream(checkpoint: str | Path, config: EngineConfig, seed: int, clips: int, num_frames: int,
-                 count: int) -> Iterator[Batch]:
+                 count: int, one_question: bool = True) -> Iterator[Batch]:
     """`count` batches from `np.random.default_rng(seed)`, made by one worker process while the caller trains
     (the same batches, in the same order, as `sample_batch` calls in a loop)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue(maxsize=4)
-    worker = ctx.Process(target=_produce, args=(queue, str(checkpoint), config, seed, clips, num_frames, count),
+    worker = ctx.Process(target=_produce, args=(queue, str(checkpoint), config, seed, clips, num_frames, count, one_question),
                          daemon=True)
     worker.start()
     try:

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.usefixtures("isolated_network")
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("isolated_network")]
 
 HERE = Path(__file__).resolve().parent
-CLIPS = 24
+CLIPS = 48
 MISS_PROBABILITY = 1e-4
 # what each fault breaks: reversed time flips direction and order; BGR swaps red and blue (colour, and the
 # order question, whose options are colours); shuffled frames scramble motion
@@ -62,11 +62,11 @@ def test_bar_is_a_binomial_tail():
 def canary_run(tmp_path_factory, h, seed):
     """One `batchjob run` over fresh clips, every question asked once per fault folder."""
     from batchjob.demo import build_scene_clips
-    from batchjob.demo_model import packaged_model_dir
+    from batchjob.demo_model import RECIPES, packaged_model_dir
 
     from canary_faults import FAULTS
 
-    model = packaged_model_dir("qwen2_5_vl")
+    model, recipe = packaged_model_dir("qwen2_5_vl"), RECIPES["qwen2_5_vl"]
     if not (model / "training.json").is_file():
         pytest.fail(f"{model}: no trained demo model (scripts/train_demo_model.py writes it)")
     root = tmp_path_factory.mktemp("canary")
@@ -81,8 +81,8 @@ def canary_run(tmp_path_factory, h, seed):
     manifest = root / "manifest.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = h.write_config(root / "job.yaml", manifest, engine="canary_faults:FaultyMlxEngine",
-                            checkpoint=str(model), model={"dtype": "auto", "max_pixels": 12544},
-                            loader={"name": "opencv", "num_frames": 8},
+                            checkpoint=str(model), model={"dtype": "auto", "max_pixels": recipe.max_pixels},
+                            loader={"name": "opencv", "num_frames": recipe.num_frames},
                             runtime={"clips_per_batch": 4, "frames_in_flight": 8, "engine_cpus": 1},
                             output={"directory": str(root / "out"), "rows_per_part": 256, "flush_seconds": 5})
     r = h.run_console("run", str(config), timeout=600, env=h.cli_env(PYTHONPATH=os.pathsep.join(
