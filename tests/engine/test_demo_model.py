@@ -80,7 +80,7 @@ def test_short_training_lowers_the_loss(tmp_path):
     assert record["sha256"] == checkpoint_sha256(out)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
 def test_committed_checkpoint_matches_its_training_record(model_type):
     """The packaged files hash to what the training script recorded, and the record holds what rebuilding
     needs (seed, command) and what the canary compares with (accuracy per kind, well above chance)."""
@@ -92,12 +92,13 @@ def test_committed_checkpoint_matches_its_training_record(model_type):
     assert {"model.safetensors", "config.json"} <= {p.name for p in checkpoint_files(path)}
     assert record["model_type"] == model_type and isinstance(record["seed"], int)
     assert record["command"].startswith("scripts/train_demo_model.py")
+    assert ("--model-type qwen3_vl" in record["command"]) == (model_type == "qwen3_vl")
     assert set(record["accuracy"]) == {"colour", "count", "direction", "order"}
     chance = {"colour": 0.25, "count": 1 / 3, "direction": 0.5, "order": 0.5}
     assert all(record["accuracy"][k] > chance[k] + 0.3 for k in chance), record["accuracy"]
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
 def test_committed_checkpoint_trainer_and_engine_agree(model_type):
     from batchjob.demo_model import RECIPES, packaged_model_dir
     from batchjob.synthetic.trainer import EnginePrep, load_for_training

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("isolat
 HERE = Path(__file__).resolve().parent
 CLIPS = 48
 MISS_PROBABILITY = 1e-4
+FAULTS = ("clean", "reversed", "channels", "shuffled")   # folders canary_faults.py reads the fault from
 # what each fault breaks: reversed time flips direction and order; BGR swaps red and blue (colour, and the
 # order question, whose options are colours); shuffled frames scramble motion
 BROKEN = {"reversed": ("direction", "order"), "channels": ("colour",), "shuffled": ("direction", "order")}
@@ -58,15 +59,13 @@ def test_bar_is_a_binomial_tail():
         assert one_more >= MISS_PROBABILITY, (recorded, n, level, one_more)   # the bar is the largest such
 
 
-@pytest.fixture(scope="module")
-def canary_run(tmp_path_factory, h, seed):
-    """One `batchjob run` over fresh clips, every question asked once per fault folder."""
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def canary_run(request, tmp_path_factory, h, seed):
+    """One `batchjob run` per model family over fresh clips, every question asked once per fault folder."""
     from batchjob.demo import build_scene_clips
     from batchjob.demo_model import RECIPES, packaged_model_dir
 
-    from canary_faults import FAULTS
-
-    model, recipe = packaged_model_dir("qwen2_5_vl"), RECIPES["qwen2_5_vl"]
+    model, recipe = packaged_model_dir(request.param), RECIPES[request.param]
     if not (model / "training.json").is_file():
         pytest.fail(f"{model}: no trained demo model (scripts/train_demo_model.py writes it)")
     root = tmp_path_factory.mktemp("canary")
@@ -94,23 +93,28 @@ def canary_run(tmp_path_factory, h, seed):
         fault = row["row_id"].split("/")[0]
         accuracy[fault][row["category"]].append(bool(row["correct"]))
     recorded = json.loads((model / "training.json").read_text())["accuracy"]
-    return recorded, accuracy
+    return recorded, accuracy, request.param
+
+
+def recorded_family(run) -> str:
+    return run[2]
 
 
 def test_clean_run_reaches_recorded_accuracy(canary_run):
-    recorded, accuracy = canary_run
+    recorded, accuracy, _ = canary_run
     clean = accuracy["clean"]
     assert set(clean) == set(recorded)
     report = {k: (sum(v) / len(v), len(v), recorded[k], bar(recorded[k], len(v))) for k, v in clean.items()}
-    print("canary (accuracy, questions, recorded, bar):", report)
+    print(f"canary {recorded_family(canary_run)} (accuracy, questions, recorded, bar):", report)
     for kind, (acc, n, rec, level) in report.items():
         assert acc >= level, f"{kind}: {acc:.3f} over {n} questions, below {level:.3f} (recorded {rec:.3f})"
 
 
 @pytest.mark.parametrize("fault", sorted(BROKEN))
 def test_fault_drops_accuracy_below_the_bar(canary_run, fault):
-    recorded, accuracy = canary_run
+    recorded, accuracy, family = canary_run
     for kind in BROKEN[fault]:
         answers = accuracy[fault][kind]
         acc, level = sum(answers) / len(answers), bar(recorded[kind], len(answers))
+        print(f"canary {family} fault {fault}: {kind} {acc:.3f} over {len(answers)} (bar {level:.3f})")
         assert acc < level, f"{fault}: {kind} still at {acc:.3f} over {len(answers)} (bar {level:.3f})"

@@ -24,7 +24,8 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
     suffix = "" if model_type == "qwen2_5_vl" else f"-{model_type}"
     rows = h.read_rows(root / f"output{suffix}")
     assert sorted(r["row_id"] for r in rows) == sorted(r["id"] for r in records)
-    assert len(records) == 21          # 6 clips: 3 with one mover (3 questions), 3 with two or more (4)
+    per_clip = [sum(r["video"] == v for r in records) for v in sorted({r["video"] for r in records})]
+    assert len(per_clip) == 6 and set(per_clip) <= {3, 4} and per_clip.count(4) >= 3   # order: 2+ movers
     for r in rows:
         assert r["error"] is None, r
         assert r["pred_index"] == int(np.argmax(r["probs"])) and abs(sum(r["probs"]) - 1) < 1e-4
@@ -46,10 +47,11 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
     rep = h.run_cli("report", str(root / f"output{suffix}"), "--json")
     s = json.loads(rep.stdout)
     assert s["accuracy"] == pytest.approx(sum(r["correct"] for r in rows) / len(rows))
-    assert s["rows"] == 21 and s["errors"] == 0 and s["loaders"] == ["pyav_adaptive"]
+    assert s["rows"] == len(records) and s["errors"] == 0 and s["loaders"] == ["pyav_adaptive"]
     assert set(s["per_category"]) == {"colour", "count", "direction", "order"}
+    cells = " ".join(res.stdout.replace("│", " ").split())
     for cat, v in s["per_category"].items():      # the run summary prints the same per category
-        assert f"{cat} {v['accuracy']:.4f} over {v['n']} rows" in summary, (cat, res.stdout)
+        assert f"{cat} {v['accuracy']:.4f} over {v['n']} rows" in cells, (cat, res.stdout)
 
     # Independent path: load the clip and ask the classifier directly, one question at a time.
     from batchjob.config import load_config
