@@ -26,7 +26,7 @@ def demo_dir(cache: str | os.PathLike | None = None) -> Path:
 
 def build_scene_clips(root: Path, num_clips: int, seed: int = 0,
                       gop_kinds: tuple[str, ...] = tuple(GOP_KINDS)) -> list[dict]:
-    """Encode `num_clips` scenes (GOP kinds in turn, every other clip with two or more movers) under `root`
+    """Encode `num_clips` scenes (GOP kinds in turn by pairs, every other clip with two or more movers) under `root`
     and return the manifest records: one per question the scene supports, `category` = the question kind,
     `gop` = the clip's GOP kind. Clips already there (same name) are kept: names carry the seed."""
     import numpy as np
@@ -40,7 +40,7 @@ def build_scene_clips(root: Path, num_clips: int, seed: int = 0,
     width, height = CLIP_SIZE
     records = []
     for i in range(num_clips):
-        gop = gop_kinds[i % len(gop_kinds)]
+        gop = gop_kinds[(i // 2) % len(gop_kinds)]     # every GOP kind gets clips with and without order
         scene = random_scene(rng, width / height, order=bool(i % 2))
         seconds = round(float(rng.uniform(*SECONDS)) * FPS) / FPS
         clip_seed = int(rng.integers(2**31))
