@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from batchjob.demo_model import RECIPES, packaged_model_dir
 
+    if args.short and args.out is None:
+        parser.error("--short trains a throwaway model: give --out DIR (the packaged model stays as it is)")
     recipe = RECIPES[args.model_type]
     out = args.out or packaged_model_dir(args.model_type)
     steps = args.steps or (8 if args.short else recipe.steps)
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     given = list(argv if argv is not None else sys.argv[1:])
     if "--out" in given:                     # where it is written does not change what is trained
         del given[given.index("--out"):given.index("--out") + 2]
+    given = [a for a in given if not a.startswith("--out=")]
     record = train(out, recipe, seed=args.seed, steps=steps, eval_clips=eval_clips, short=args.short,
                    command=" ".join(["scripts/train_demo_model.py", *given]))
     if args.short:
