@@ -67,6 +67,9 @@ def _summary_table(stats, summary: dict | None) -> Table:
         t.add_row(label, value)
     if summary and summary.get("accuracy") is not None:
         t.add_row("accuracy (all output)", f"{summary['accuracy']:.4f} over {summary['scored']} rows")
+        for cat, v in (summary.get("per_category") or {}).items():
+            if len(summary["per_category"]) > 1 and v.get("accuracy") is not None:
+                t.add_row(f"  {cat}", f"{v['accuracy']:.4f} over {v['n']} rows")
     return t
 
 
@@ -304,17 +307,18 @@ def loaders() -> None:
 @app.command()
 def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets (default $BATCHJOB_CACHE or "
                                                           "~/.cache/batchjob)"),
-         clips: int = typer.Option(12, min=1, help="number of synthetic clips (3 questions each)"),
+         clips: int = typer.Option(16, min=1, help="number of synthetic clips (3 or 4 questions each)"),
          model_type: str = typer.Option("qwen2_5_vl", help="tiny model family: qwen2_5_vl, qwen3_vl or "
                                                            "qwen3_vl_moe")) -> None:
-    """Build a tiny model and synthetic clips locally, then run the whole pipeline on them."""
-    from batchjob.demo import build_demo
+    """Run the whole pipeline on synthetic clips with the tiny demo model trained on such clips (built locally)."""
+    from batchjob.demo import build_demo, is_trained
 
     if model_type not in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         raise typer.BadParameter(f"{model_type!r}: choose qwen2_5_vl, qwen3_vl or qwen3_vl_moe",
                                  param_hint="--model-type")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")   # everything is local; never wait on a hub lookup
-    err.print("building demo assets (tiny random checkpoint, synthetic clips)...")
+    model_note = "trained demo model" if is_trained(model_type) else "random-weight model: answers are chance"
+    err.print(f"building demo assets ({model_note}, synthetic clips)...")
     config = build_demo(cache, clips, model_type)
     err.print(f"running {config}")
     _run(config, limit=None, output=None, restart=True, ray_address=None)

@@ -1,9 +1,11 @@
-"""Assets for `batchjob demo`: a tiny checkpoint, synthetic clips and a manifest, built locally.
+"""Assets for `batchjob demo`: the trained demo model, synthetic clips and a manifest, built locally.
 
-The demo must work on a fresh machine with no network, so nothing is downloaded: the checkpoint is
-random weights in Hugging Face layout and the clips are encoded with PyAV. The questions have known
-answers (the clip generator decides direction and colour), so the report shows a real accuracy (of a
-random model: chance level).
+The demo must work on a fresh machine with no network, so nothing is downloaded: the model is the tiny
+checkpoint trained on synthetic scenes that ships with the package (`batchjob.demo_model`), and the clips
+are scenes of the same kind (`batchjob.synthetic.scenes`) encoded with PyAV. Every question's answer is known
+from how its scene was drawn, so the report's accuracy per question kind (colour, count, direction, order) is
+the model's real accuracy. Half the clips have short GOPs (a keyframe every 0.5 s), half a single keyframe:
+keyframe-only decoding sees colour and count on both, motion only on the first.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
-COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (40, 80, 230), "yellow": (230, 210, 40)}
+# Clip layout shared with the training data (`batchjob.synthetic.trainer`): size, frame rate, lengths.
+GOP_KINDS = {"gop0.5s": {"gop_seconds": 0.5}, "1key": {"single_keyframe": True}}
 
 
 def demo_dir(cache: str | os.PathLike | None = None) -> Path:
@@ -21,67 +24,88 @@ def demo_dir(cache: str | os.PathLike | None = None) -> Path:
     return (base / "demo").expanduser().resolve()
 
 
-def demo_questions(clip: str, direction: str, colour: str) -> list[dict]:
-    """Three questions per clip, answers known from how the clip was drawn."""
-    return [
-        {"video": clip, "question": "Which way does the square move?", "options": ["left", "right"],
-         "answer": direction, "category": "direction"},
-        {"video": clip, "question": "What colour is the moving square?", "options": list(COLOURS),
-         "answer": colour, "category": "colour"},
-        {"video": clip, "question": "How many squares are in the video?", "options": ["one", "two", "three"],
-         "answer": "one", "category": "count"},
-    ]
+def build_scene_clips(root: Path, num_clips: int, seed: int = 0,
+                      gop_kinds: tuple[str, ...] = tuple(GOP_KINDS)) -> list[dict]:
+    """Encode `num_clips` scenes (GOP kinds in turn by pairs, every other clip with two or more movers) under `root`
+    and return the manifest records: one per question the scene supports, `category` = the question kind,
+    `gop` = the clip's GOP kind. Clips already there (same name) are kept: names carry the seed."""
+    import numpy as np
 
-
-def build_clips(root: Path, num_clips: int) -> list[dict]:
-    """Encode `num_clips` motion clips (cycling direction and colour) and return their manifest records."""
-    from batchjob.synthetic.clips import make_motion_clip
+    from batchjob.synthetic.clips import make_scene_clip
+    from batchjob.synthetic.scenes import questions_for, random_scene
+    from batchjob.synthetic.trainer import CLIP_SIZE, FPS, SECONDS
 
     root.mkdir(parents=True, exist_ok=True)
-    names = list(COLOURS)
+    rng = np.random.default_rng(seed)
+    width, height = CLIP_SIZE
     records = []
     for i in range(num_clips):
-        direction = ("left", "right")[i % 2]
-        colour = names[(i // 2) % len(names)]
-        name = f"clip{i:03d}.mp4"
+        gop = gop_kinds[(i // 2) % len(gop_kinds)]     # every GOP kind gets clips with and without order
+        scene = random_scene(rng, width / height, order=bool(i % 2))
+        seconds = round(float(rng.uniform(*SECONDS)) * FPS) / FPS
+        clip_seed = int(rng.integers(2**31))
+        name = f"s{seed}-clip{i:03d}-{gop}.mp4"
         if not (root / name).exists():
             tmp = root / f".{name}"
-            make_motion_clip(tmp, direction=direction, color=COLOURS[colour], seed=i)
+            make_scene_clip(tmp, scene, seconds=seconds, fps=FPS, width=width, height=height, seed=clip_seed,
+                            **GOP_KINDS[gop])
             tmp.rename(root / name)
-        for q, rec in enumerate(demo_questions(name, direction, colour)):
-            records.append({"id": f"clip{i:03d}-q{q}", **rec})
+        for q in questions_for(scene):
+            records.append({"id": f"s{seed}-clip{i:03d}-{q.kind}", "video": name, "question": q.text,
+                            "options": list(q.options), "answer": q.answer, "category": q.kind, "gop": gop})
     return records
 
 
-def ensure_tiny_checkpoint(model: Path, model_type: str = "qwen2_5_vl") -> Path:
-    """Build the default tiny checkpoint at `model` unless a complete one is there already.
+def ensure_demo_checkpoint(model: Path, model_type: str = "qwen2_5_vl") -> Path:
+    """The packaged trained checkpoint copied to `model` (again when the package's differs), or, for a family
+    with no trained checkpoint, a random one (its answers are chance).
 
-    A half-written checkpoint from an interrupted build has no `.complete` marker and is rebuilt.
-    """
+    A half-written copy has no `.complete` marker and is rebuilt."""
+    from batchjob.demo_model import RECORD, packaged_model_dir
+
+    source = packaged_model_dir(model_type)
+    marker = model / ".complete"
+    if (source / RECORD).is_file():
+        stamp = (source / RECORD).read_text()
+        if not marker.exists() or marker.read_text() != stamp:
+            shutil.rmtree(model, ignore_errors=True)
+            shutil.copytree(source, model)
+            marker.write_text(stamp)
+        return model
     from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
 
-    if not (model / ".complete").exists():
+    if not marker.exists() or marker.read_text() != "random":
         shutil.rmtree(model, ignore_errors=True)
         write_tiny_checkpoint(model, TinyModelSpec(model_type=model_type))
-        (model / ".complete").touch()
+        marker.write_text("random")
     return model
 
 
-def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 12, model_type: str = "qwen2_5_vl") -> Path:
+def is_trained(model_type: str) -> bool:
+    from batchjob.demo_model import RECORD, packaged_model_dir
+
+    return (packaged_model_dir(model_type) / RECORD).is_file()
+
+
+def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 16, model_type: str = "qwen2_5_vl",
+               seed: int = 0) -> Path:
     """Build (or reuse) the demo assets and return the path of the demo's job config.
 
     `model_type` picks the tiny model's family (qwen2_5_vl, qwen3_vl, qwen3_vl_moe); only the checkpoint
     path (and, for Qwen3-VL, the pixel budget, which bounds the whole clip there) differ in the config."""
+    from batchjob.demo_model import RECIPES
+
     root = demo_dir(cache)
     root.mkdir(parents=True, exist_ok=True)
     model = "model" if model_type == "qwen2_5_vl" else f"model-{model_type}"
-    ensure_tiny_checkpoint(root / model, model_type)
-    records = build_clips(root / "clips", num_clips)
+    ensure_demo_checkpoint(root / model, model_type)
+    records = build_scene_clips(root / "clips", num_clips, seed)
     (root / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text = resources.files("batchjob").joinpath("assets/demo.yaml").read_text()
     if model_type != "qwen2_5_vl":
+        budget = RECIPES[model_type].max_pixels if is_trained(model_type) else 65536
         text = text.replace("  checkpoint: model\n", f"  checkpoint: {model}\n").replace(
-            "max_pixels: 12544 ", "max_pixels: 65536 ").replace("job: demo\n", f"job: demo-{model_type}\n").replace(
+            "max_pixels: 7056 ", f"max_pixels: {budget} ").replace("job: demo\n", f"job: demo-{model_type}\n").replace(
             "directory: output\n", f"directory: output-{model_type}\n")
     config = root / ("demo.yaml" if model_type == "qwen2_5_vl" else f"demo-{model_type}.yaml")
     config.write_text(text)

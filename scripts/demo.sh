@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the demo job end to end on a fresh machine: builds the environment if needed, then
-# `batchjob demo` builds a tiny random-weight checkpoint and synthetic clips locally and runs
-# the whole pipeline on them. Extra arguments go to `batchjob demo`.
+# `batchjob demo` copies the tiny trained demo model (package data) and builds synthetic clips locally,
+# then runs the whole pipeline on them. Extra arguments go to `batchjob demo`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/bootstrap.sh"

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import os
 from fractions import Fraction
-from typing import Literal
+from typing import Callable, Literal
 
 import av
 import numpy as np
@@ -173,8 +173,12 @@ def make_clip(path: str | os.PathLike, *, codec: Codec = "h264", container: str 
               gop_seconds: float = 1.0, bframes: int = 2, pattern: Pattern = "counter", vfr: bool = False,
               rotation: int = 0, single_keyframe: bool = False, seed: int = 0,
               color: tuple[int, int, int] = (220, 40, 40), direction: int = 1,
-              faststart: bool = False, open_gop: bool = False) -> ClipInfo:
+              faststart: bool = False, open_gop: bool = False,
+              draw: Callable[[int, int], np.ndarray] | None = None, crf: int | None = None) -> ClipInfo:
     """Encode a clip; return what was asked for so tests can check decoders against it.
+
+    `draw(index, num_frames)` replaces the built-in patterns (uint8 RGB [height, width, 3] per frame); `crf`
+    sets H.264/HEVC quality (the encoder's default otherwise).
 
     `faststart` puts an MP4's index (moov) before the media data, as web-ready files have it; a file
     cut short then still opens, with an index that promises frames the file no longer holds.
@@ -206,12 +210,15 @@ def make_clip(path: str | os.PathLike, *, codec: Codec = "h264", container: str 
         stream.codec_context.max_b_frames = bframes
         if codec == "mpeg4":
             stream.codec_context.qmax = 4  # keep the counter bits crisp
-        stream.options = {k: v for k, v in _encoder_options(codec, gop, bframes, open_gop).items() if v}
+        options = _encoder_options(codec, gop, bframes, open_gop)
+        if crf is not None and codec in ("h264", "hevc"):
+            options["crf"] = str(crf)
+        stream.options = {k: v for k, v in options.items() if v}
         if rotation:
             stream.set_display_rotation(rotation)
         for i, t in enumerate(times):
-            rgb = draw_frame(i, width, height, pattern=pattern, color=color, direction=direction,
-                             num_frames=num_frames)
+            rgb = draw(i, num_frames) if draw is not None else draw_frame(
+                i, width, height, pattern=pattern, color=color, direction=direction, num_frames=num_frames)
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="yuv420p")
             frame.pts = int(round(t / time_base))
             frame.time_base = time_base
@@ -258,3 +265,21 @@ def make_motion_clip(path: str | os.PathLike, *, direction: Literal["left", "rig
     return make_clip(path, codec="h264", container="mp4", seconds=seconds, fps=fps, width=width,
                      height=height, gop_seconds=1.0, bframes=0, pattern="motion", color=tinted,
                      direction=1 if direction == "right" else -1)
+
+
+def make_scene_clip(path: str | os.PathLike, scene, *, seconds: float, fps: float = 10.0, width: int = 256,
+                    height: int = 144, gop_seconds: float = 1.0, single_keyframe: bool = False, bframes: int = 2,
+                    crf: int = 18, seed: int = 0) -> ClipInfo:
+    """A clip of a `batchjob.synthetic.scenes` scene (shapes moving at known times), H.264 in MP4.
+
+    Frame i shows the scene at clip fraction `i / num_frames` (the instant a uniform sampler's index maps to);
+    `seed` draws the frames' noise, so two encodings of one scene differ only there.
+    """
+    from batchjob.synthetic.scenes import background, render
+
+    base = background(scene, width, height)
+    rng = np.random.default_rng(seed)
+    noise_seeds = rng.integers(2**31, size=max(1, int(round(seconds * fps))))
+    return make_clip(path, codec="h264", container="mp4", seconds=seconds, fps=fps, width=width, height=height,
+                     gop_seconds=gop_seconds, single_keyframe=single_keyframe, bframes=bframes, crf=crf,
+                     draw=lambda i, n: render(scene, i / n, width, height, int(noise_seeds[i]), base))

@@ -99,6 +99,9 @@ class TinyModelSpec:
     moe_intermediate_size: int = 48
     tie_word_embeddings: bool = False
     video_max_pixels: int = 32 * 32 * 64
+    rope_theta: float | None = None   # None: the family's (1e6 for Qwen2.5-VL, 5e6 for Qwen3-VL)
+    # Extra lines the tokenizer's merges are learned from (the demo model's question words become single tokens).
+    corpus: tuple[str, ...] = ()
 
     @property
     def patch_size(self) -> int:
@@ -140,8 +143,9 @@ CORPUS = (
 )
 
 
-def build_tokenizer(chat_template: str = CHAT_TEMPLATE):
-    """Byte-level BPE tokenizer with Qwen's special tokens and chat template (see the module docstring)."""
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE, corpus: tuple[str, ...] = ()):
+    """Byte-level BPE tokenizer with Qwen's special tokens and chat template (see the module docstring);
+    `corpus` adds lines to learn merges from."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -150,7 +154,7 @@ def build_tokenizer(chat_template: str = CHAT_TEMPLATE):
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1000, min_frequency=1, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    core.train_from_iterator(CORPUS, trainer)
+    core.train_from_iterator(CORPUS + tuple(corpus), trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template
     )
@@ -192,7 +196,7 @@ def checkpoint_config(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size
         "hidden_act": "silu",
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
+        "rope_theta": spec.rope_theta or 1000000.0,
         "rope_scaling": {"type": "mrope", "mrope_section": mrope_section(head_dim)},
         "vocab_size": vocab_size,
         "tie_word_embeddings": False,
@@ -227,7 +231,7 @@ def qwen3_config(spec: TinyModelSpec, token_ids: dict[str, int], vocab_size: int
         "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
         "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
         "num_key_value_heads": spec.num_kv_heads, "head_dim": head_dim, "hidden_act": "silu",
-        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": spec.rope_theta or 5000000.0,
         "rope_scaling": {"rope_type": "default", "mrope_section": mrope_section(head_dim), "mrope_interleaved": True},
         "vocab_size": vocab_size, "tie_word_embeddings": spec.tie_word_embeddings, "attention_bias": False,
         "attention_dropout": 0.0, "initializer_range": spec.initializer_range, "dtype": "float32",
@@ -272,7 +276,7 @@ def write_tiny_checkpoint(out_dir: str | Path, spec: TinyModelSpec = TinyModelSp
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     qwen3 = spec.model_type in QWEN3_TYPES
-    tokenizer = build_tokenizer(CHAT_TEMPLATE_QWEN3 if qwen3 else CHAT_TEMPLATE)
+    tokenizer = build_tokenizer(CHAT_TEMPLATE_QWEN3 if qwen3 else CHAT_TEMPLATE, spec.corpus)
     token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = (len(tokenizer) + 63) // 64 * 64  # padded like real checkpoints: logits exist for unused ids
     config = checkpoint_config(spec, token_ids, vocab_size)

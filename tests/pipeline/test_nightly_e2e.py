@@ -56,7 +56,7 @@ def nights(tmp_path_factory, isolated_network):
     from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("nightly")
-    demo_cfg = build_demo(root, 4)                      # 4 clips x 3 questions, model A
+    demo_cfg = build_demo(root, 4)                      # 4 clips x 3 or 4 questions, model A
     demo = demo_cfg.parent
     raw = yaml.safe_load(demo_cfg.read_text())
     raw["output"]["directory"] = "output/{date}"
@@ -78,7 +78,8 @@ def nights(tmp_path_factory, isolated_network):
         "name": "e2e", "schedule": "30 1 * * *", "history": "history", "jobs": [str(demo_cfg), "det/det.yaml"],
         "alert": {"max_accuracy_drop": 0.02, "max_error_rate": 0.01,
                   "on_failure": f'mkdir -p {alerts} && cat > {alerts}/"$BATCHJOB_NIGHT".txt'}}))
-    got: dict = {"root": root, "definition": definition, "demo": demo, "alerts": alerts, "rc": {}, "stdout": {}}
+    got: dict = {"root": root, "definition": definition, "demo": demo, "alerts": alerts, "rc": {}, "stdout": {},
+                 "n": len(records)}
 
     # night 1, with a second nightly started while it holds the lock
     proc = subprocess.Popen([sys.executable, "-m", "batchjob.cli", "nightly", str(definition), "--date", NIGHTS[0]],
@@ -112,8 +113,8 @@ def nights(tmp_path_factory, isolated_network):
     for r in records:
         pred = night2[r["id"]]["pred_index"]
         relabelled.append({**r, "answer": r["options"][(pred + 1) % len(r["options"])]})
-    extra = [{"id": f"{r['id'].split('-')[0]}-q9", "video": r["video"], "question": "Is the square moving?",
-              "options": ["yes", "no"], "category": "extra"} for r in records if r["id"].endswith("-q0")]
+    extra = [{"id": f"{r['id'].rsplit('-', 1)[0]}-q9", "video": r["video"], "question": "Is the square moving?",
+              "options": ["yes", "no"], "category": "extra"} for r in records if r["category"] == "colour"]
     write_manifest(demo / "manifest.jsonl", relabelled + extra)
     write_manifest(det / "manifest.jsonl", records + extra)
     got["extra"] = sorted(x["id"] for x in extra)
@@ -133,22 +134,22 @@ def test_second_concurrent_nightly_exits_at_once(nights):
 
 
 def test_history_has_a_row_per_job_run_with_the_right_counts(nights):
-    h2 = nights["history_after_2"]           # newest first
+    h2, n = nights["history_after_2"], nights["n"]           # newest first
     assert [(r["night"], r["job"]) for r in h2] == [(NIGHTS[1], "det"), (NIGHTS[1], "demo"),
                                                     (NIGHTS[0], "det"), (NIGHTS[0], "demo")]
     by = {(r["night"], r["job"]): r for r in h2}
     for night in NIGHTS[:2]:
         demo = by[(night, "demo")]
-        assert (demo["rows_total"], demo["rows_answered"], demo["error_rows"], demo["output_rows"]) == (12, 12, 0, 12)
+        assert (demo["rows_total"], demo["rows_answered"], demo["error_rows"], demo["output_rows"]) == (n, n, 0, n)
         assert demo["output"].endswith(f"output/{night}") and demo["exit_status"] == 0
         rows = read_rows(Path(demo["output"]))
-        assert demo["accuracy"] == pytest.approx(sum(r["correct"] for r in rows.values()) / 12)
+        assert demo["accuracy"] == pytest.approx(sum(r["correct"] for r in rows.values()) / n)
         for cat, v in demo["per_category"].items():
             mine = [r["correct"] for r in rows.values() if r["category"] == cat]
             assert v["n"] == len(mine) and v["accuracy"] == pytest.approx(sum(mine) / len(mine))
     # the growing dataset: night 1 answers everything, night 2 has nothing new to do
-    assert [by[(n, "det")]["rows_answered"] for n in NIGHTS[:2]] == [12, 0]
-    assert by[(NIGHTS[1], "det")]["output_rows"] == 12 and by[(NIGHTS[1], "det")]["exit_status"] == 0
+    assert [by[(night, "det")]["rows_answered"] for night in NIGHTS[:2]] == [n, 0]
+    assert by[(NIGHTS[1], "det")]["output_rows"] == n and by[(NIGHTS[1], "det")]["exit_status"] == 0
     # the model build changed: a new content hash, the same fingerprint inputs otherwise
     assert by[(NIGHTS[0], "demo")]["model_hash"] != by[(NIGHTS[1], "demo")]["model_hash"]
     assert by[(NIGHTS[0], "det")]["model_hash"] == by[(NIGHTS[1], "det")]["model_hash"]
@@ -164,7 +165,7 @@ def test_diff_last_lists_exactly_the_changed_answers(nights):
     b = read_rows(nights["demo"] / "output" / NIGHTS[1])
     direct = sorted(k for k in a if a[k]["pred_index"] != b[k]["pred_index"])
     assert [c["row_id"] for c in d["changed"]] == direct
-    assert direct, "two random checkpoints answer at least one of 12 questions differently"
+    assert direct, "two random checkpoints answer at least one of the questions differently"
     for c in d["changed"]:
         assert c["before_probs"] == pytest.approx(a[c["row_id"]]["probs"])
         assert c["after_probs"] == pytest.approx(b[c["row_id"]]["probs"])
@@ -193,11 +194,12 @@ def test_accuracy_drop_fails_the_night_and_runs_on_failure(nights):
     assert (NIGHTS[1] + ".txt" in os.listdir(nights["alerts"])) == (drop2 > 0.02)
 
     night3 = by[(NIGHTS[2], "demo")]
-    assert night3["accuracy"] == 0.0 and night3["rows_answered"] == 16
+    assert night3["accuracy"] == 0.0 and night3["rows_answered"] == nights["n"] + len(nights["extra"])
     assert nights["rc"][2] == 1, nights["stderr3"][-3000:]
     assert len(night3["alerts"]) == 1 and "max_accuracy_drop" in night3["alerts"][0]
     det3 = by[(NIGHTS[2], "det")]
-    assert det3["alerts"] == [] and det3["rows_answered"] == 4 and det3["output_rows"] == 16
+    assert det3["alerts"] == [] and det3["rows_answered"] == len(nights["extra"])
+    assert det3["output_rows"] == nights["n"] + len(nights["extra"])
     summary = (nights["alerts"] / f"{NIGHTS[2]}.txt").read_text()
     assert summary == nights["stdout"][2], "on_failure got the summary on stdin"
     assert f"night {NIGHTS[2]}: FAILED" in summary and "demo: accuracy 0.0000 fell" in summary

@@ -51,7 +51,16 @@ class ModelFamily:
         raise NotImplementedError
 
     def fix_model(self, model) -> None:
-        """Correct known mlx-vlm model-definition bugs in place (after loading weights)."""
+        """What loading does to mlx-vlm's model, in place: the corrections, then the exact speed-ups."""
+        self.correct_model(model)
+        self.tune_model(model)
+
+    def correct_model(self, model) -> None:
+        """Correct known mlx-vlm model-definition bugs in place; parameters keep the checkpoint's layout (what
+        training needs: it must compute what the engine computes and save weights the hub way)."""
+
+    def tune_model(self, model) -> None:
+        """Exact speed-ups in place (fused or padded layers): the same outputs, another parameter layout."""
 
     def kv_shape(self, language_model) -> tuple[int, int]:
         """(num_kv_heads, head_dim) of the decoder's attention, for the KV cache."""

@@ -51,9 +51,12 @@ class Qwen2VLFamily(ModelFamily):
         span = placeholder_runs(ids, self.video_token_id)[0]
         return VideoPrompt(ids, positions, span, video_rows(ids, self.video_token_id))
 
-    def fix_model(self, model) -> None:
+    def correct_model(self, model) -> None:
         if self.hf_config["model_type"] == "qwen2_5_vl":   # mlx-vlm 0.7.10's empty windows (docs/upstream.md)
             patch_window_index(model.vision_tower)
+
+    def tune_model(self, model) -> None:
+        if self.hf_config["model_type"] == "qwen2_5_vl":
             fuse_gated_mlps(model.vision_tower.blocks)     # GEMM-friendly widths (vision_mlp.py)
         matmul_patch_embed(model.vision_tower)             # the Conv3d as the matmul it is (patch_embed.py)
         fuse_decoder_projections(model.language_model)     # one GEMM for q/k/v, one for gate/up (lm_fusion.py)

@@ -86,9 +86,8 @@ class Qwen3VLFamily(ModelFamily):
     def num_deepstack(self) -> int:
         return len((self.hf_config.get("vision_config") or {}).get("deepstack_visual_indexes") or [])
 
-    def fix_model(self, model) -> None:
-        """mlx-vlm 0.7.10's Qwen3-VL-MoE tower swaps its two GELUs (mergers exact, block MLPs per hidden_act);
-        the block MLPs are padded to the GEMM tile; the decoder's projections are fused (lm_fusion.py)."""
+    def correct_model(self, model) -> None:
+        """mlx-vlm 0.7.10's Qwen3-VL-MoE tower swaps its two GELUs (mergers exact, block MLPs per hidden_act)."""
         tower = model.vision_tower
         act = (self.hf_config.get("vision_config") or {}).get("hidden_act", "gelu_pytorch_tanh")
         block_gelu = nn.GELU(approx="tanh") if "tanh" in act else nn.GELU()
@@ -96,8 +95,12 @@ class Qwen3VLFamily(ModelFamily):
             merger.act_fn = nn.GELU()
         for block in tower.blocks:
             block.mlp.act_fn = block_gelu
-        pad_plain_mlps(tower.blocks)   # GEMM-friendly widths (vision_mlp.py)
-        matmul_patch_embed(tower)      # the Conv3d as the matmul it is (patch_embed.py)
+
+    def tune_model(self, model) -> None:
+        """Exact speed-ups: block MLPs padded to the GEMM tile, the patch embedding as a matmul, the decoder's
+        projections fused (lm_fusion.py)."""
+        pad_plain_mlps(model.vision_tower.blocks)   # GEMM-friendly widths (vision_mlp.py)
+        matmul_patch_embed(model.vision_tower)      # the Conv3d as the matmul it is (patch_embed.py)
         fuse_decoder_projections(model.language_model)
 
     def video_prompt(self, prompts, question, options, plan) -> VideoPrompt:

@@ -1,0 +1,86 @@
+"""The demo model: tiny checkpoints trained on synthetic scenes (`scripts/train_demo_model.py`), shipped as package
+data so `batchjob demo` and the accuracy canary run a model whose answers mean something.
+
+A recipe is everything the training script needs besides the seed: the checkpoint's shape, what the engine
+is told (pixel budget, frames per clip) and the optimizer's settings. The demo's job config must match what
+the model was trained with (`engine_config`, `num_frames`), or its accuracy says nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from batchjob.engine.types import EngineConfig
+
+ASSETS = "assets/demo_model"
+RECORD = "training.json"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    vision_hidden: int
+    vision_depth: int
+    max_pixels: int                 # per frame (Qwen2.5-VL) or per clip (Qwen3-VL), as the family reads it
+    num_frames: int = 8
+    steps: int = 1800
+    clips_per_step: int = 6         # every question each clip supports (3 or 4)
+    one_question: bool = False
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.98)
+    # Larger than real models' 0.02: at 0.02 a 64-wide model starts with near-uniform attention and learned
+    # nothing in hundreds of steps; at 0.1 it reads colours within a hundred.
+    initializer_range: float = 0.1
+    # The LM's rotary base. Real checkpoints' 1e6 with this 16-wide head leaves the width positions a
+    # thousandth of a radian apart: the decoder could not tell left from right (direction, order).
+    rope_theta: float | None = 3.0
+    warmup: int = 50
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    log_every: int = 50
+    eval_every: int = 250
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(dtype="float32", device="cpu", max_pixels=self.max_pixels)
+
+    def spec(self, seed: int):
+        from batchjob.synthetic.scenes import VOCABULARY
+        from batchjob.synthetic.tiny_model import TinyModelSpec
+
+        qwen3 = self.model_type.startswith("qwen3")
+        return TinyModelSpec(
+            model_type=self.model_type, hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=4,
+            num_kv_heads=2, intermediate_size=self.intermediate_size, vision_depth=self.vision_depth,
+            vision_hidden=self.vision_hidden, vision_heads=2, seed=seed, initializer_range=self.initializer_range, rope_theta=self.rope_theta,
+            max_pixels=self.max_pixels if not qwen3 else 28 * 28 * 16, video_max_pixels=self.max_pixels,
+            corpus=VOCABULARY, **self.extra)
+
+
+RECIPES = {
+    "qwen2_5_vl": Recipe("qwen2_5_vl", hidden_size=64, num_layers=2, intermediate_size=256, vision_hidden=64,
+                         vision_depth=2, max_pixels=7056),
+    "qwen3_vl": Recipe("qwen3_vl", hidden_size=64, num_layers=2, intermediate_size=128, vision_hidden=64,
+                       vision_depth=2, max_pixels=8 * 7056, extra={"deepstack_visual_indexes": (0,)}),
+}
+
+
+def packaged_model_dir(model_type: str) -> Path:
+    """Where the packaged checkpoint of `model_type` lives (inside the installed package)."""
+    return Path(str(resources.files("batchjob").joinpath(ASSETS, model_type)))
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file() and p.name != RECORD and not p.name.startswith("."))
+
+
+def checkpoint_sha256(path: Path) -> dict[str, str]:
+    """sha256 of every file of the checkpoint (the training record aside), by name."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in checkpoint_files(Path(path))}

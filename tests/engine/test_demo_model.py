@@ -1,0 +1,108 @@
+"""The demo model and its training: the trainer computes what the engine computes, saves weights the hub way,
+its short mode lowers the loss, and the committed checkpoint is the one its training record names."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _probs(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _assert_engine_agrees(model, prep, checkpoint: Path, config, seed: int) -> None:
+    """Option probabilities of the trainer's forward (in-memory `model`) and of the Classifier loading
+    `checkpoint` from disk, on fresh clips and every question kind."""
+    from batchjob.engine import Classifier, ClassifyRequest, Clip
+    from batchjob.synthetic.scenes import questions_for
+    from batchjob.synthetic.trainer import batch_logits, sample_clip
+
+    clf = Classifier.from_pretrained(checkpoint, config)
+    rng = np.random.default_rng(seed)
+    kinds = set()
+    for k in range(3):
+        scene, frames, meta = sample_clip(rng, 8, order=k != 1)
+        inputs = prep.clip_inputs(frames, meta)
+        questions = questions_for(scene)
+        ours = _probs(batch_logits(model, prep.family, prep.batch([inputs], [prep.example(0, inputs, q)
+                                                                              for q in questions])))
+        theirs = clf.classify([ClassifyRequest(f"r{i}", Clip(frames, meta, f"clip{k}"), q.text, q.options)
+                               for i, q in enumerate(questions)])
+        for q, row, answer in zip(questions, ours, theirs):
+            assert answer.error is None
+            np.testing.assert_allclose(row[:len(q.options)], answer.probs, atol=2e-5, err_msg=q.kind)
+            kinds.add(q.kind)
+    assert kinds == {"colour", "count", "direction", "order"}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_saved_weights_are_what_the_engine_loads(tmp_path, model_type):
+    """Perturb every parameter (as training does), save in the hub layout, load with the engine: the engine's
+    answers equal the trainer's forward on the in-memory model."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    from batchjob.demo_model import RECIPES
+    from batchjob.synthetic.tiny_model import write_tiny_checkpoint
+    from batchjob.synthetic.trainer import EnginePrep, load_for_training, save_hub_weights
+
+    recipe = RECIPES[model_type]
+    path = write_tiny_checkpoint(tmp_path / "ckpt", recipe.spec(seed=3))
+    prep = EnginePrep(path, recipe.engine_config)
+    model = load_for_training(path, prep.family)
+    mx.random.seed(4)
+    model.update(tree_map(lambda p: p + 0.05 * mx.random.normal(p.shape), model.parameters()))
+    save_hub_weights(model, path)
+    _assert_engine_agrees(model, prep, path, recipe.engine_config, seed=5)
+
+
+def test_short_training_lowers_the_loss(tmp_path):
+    """The script's CI mode: a few steps from random initialisation lower the loss on a fixed batch, and the
+    record names the files it wrote."""
+    out = tmp_path / "model"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_demo_model.py"), "--short", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    record = json.loads((out / "training.json").read_text())
+    before, after = record["fixed_batch_loss"]
+    assert after < before, record
+    assert [c["step"] for c in record["curve"]] == sorted(c["step"] for c in record["curve"])
+    from batchjob.demo_model import checkpoint_sha256
+
+    assert record["sha256"] == checkpoint_sha256(out)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_committed_checkpoint_matches_its_training_record(model_type):
+    """The packaged files hash to what the training script recorded, and the record holds what rebuilding
+    needs (seed, command) and what the canary compares with (accuracy per kind, well above chance)."""
+    from batchjob.demo_model import checkpoint_files, checkpoint_sha256, packaged_model_dir
+
+    path = packaged_model_dir(model_type)
+    record = json.loads((path / "training.json").read_text())
+    assert record["sha256"] == checkpoint_sha256(path)
+    assert {"model.safetensors", "config.json"} <= {p.name for p in checkpoint_files(path)}
+    assert record["model_type"] == model_type and isinstance(record["seed"], int)
+    assert record["command"].startswith("scripts/train_demo_model.py")
+    assert ("--model-type qwen3_vl" in record["command"]) == (model_type == "qwen3_vl")
+    assert set(record["accuracy"]) == {"colour", "count", "direction", "order"}
+    chance = {"colour": 0.25, "count": 1 / 3, "direction": 0.5, "order": 0.5}
+    assert all(record["accuracy"][k] > chance[k] + 0.3 for k in chance), record["accuracy"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_committed_checkpoint_trainer_and_engine_agree(model_type):
+    from batchjob.demo_model import RECIPES, packaged_model_dir
+    from batchjob.synthetic.trainer import EnginePrep, load_for_training
+
+    recipe, path = RECIPES[model_type], packaged_model_dir(model_type)
+    prep = EnginePrep(path, recipe.engine_config)
+    _assert_engine_agrees(load_for_training(path, prep.family), prep, path, recipe.engine_config, seed=11)
