@@ -158,11 +158,11 @@ class VllmEngine(EngineBase):
         try:
             outs = self.llm.generate([p for _, p, _ in todo], [s for _, _, s in todo], use_tqdm=False)
             pairs = list(zip([q for q, _, _ in todo], outs))
-        except (ValueError, RuntimeError):
-            if len(todo) <= 1:
-                raise
+        except (ValueError, RuntimeError) as err:
             pairs = []   # vLLM rejects a whole call for one bad prompt (e.g. too long): find it alone
-            for q, prompt, params in todo:
+            if len(todo) == 1:      # already alone: its own error row, like any other rejected request
+                answers[todo[0][0].row_id] = Answer(todo[0][0].row_id, None, error=f"vLLM rejected the request: {err}")
+            for q, prompt, params in todo if len(todo) > 1 else ():
                 try:
                     pairs.append((q, self.llm.generate([prompt], [params], use_tqdm=False)[0]))
                 except (ValueError, RuntimeError) as err:

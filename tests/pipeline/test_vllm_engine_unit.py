@@ -72,6 +72,22 @@ def _clip(i: int, n_questions: int, rng) -> EngineClip:
                       rng.integers(0, 256, (3, 28, 56, 3), dtype=np.uint8))
 
 
+def test_a_rejected_request_alone_in_its_wave_is_an_error_row(checkpoint, fake_vllm, rng=np.random.default_rng()):
+    """Wave 2 holding only the rejected question (every other clip has one question): an error row for it, answers
+    for the rest, nothing raised."""
+    from transformers import AutoTokenizer
+
+    from batchjob.pipeline.vllm_engine import VllmEngine
+
+    llm = FakeLLM(AutoTokenizer.from_pretrained(checkpoint), rng, reject="TOO_LONG")
+    engine = VllmEngine(llm, ModelConfig(checkpoint=str(checkpoint), engine="vllm"), PromptConfig())
+    clips = [_clip(i, 2 if i == 1 else 1, rng) for i in range(int(rng.integers(2, 5)))]
+    answers = {a.row_id: a for a in engine.answer(clips)}
+    assert [len(c) for c in llm.calls] == [len(clips), 1]
+    assert answers["c1q1"].choice is None and answers["c1q1"].error.startswith("vLLM rejected the request")
+    assert all(a.error is None and a.choice is not None for k, a in answers.items() if k != "c1q1")
+
+
 def test_requests_answers_and_waves(checkpoint, fake_vllm):
     from transformers import AutoTokenizer
 
