@@ -134,10 +134,11 @@ def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool,
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[rate]:.2f} rows/s"), TimeRemainingColumn(),
                         TextColumn("errors {task.fields[errors]}"), console=err, disable=quiet)
-    task = progress.add_task(cfg.job, total=None, rate=0.0, errors=0)
+    # Hidden until the run knows its rows: a config refused by the checks before it prints no empty "0/?" bar.
+    task = progress.add_task(cfg.job, total=None, rate=0.0, errors=0, visible=False)
 
     def on_start(s) -> None:
-        progress.update(task, total=s.total_rows - s.skipped_rows, completed=0)
+        progress.update(task, total=s.total_rows - s.skipped_rows, completed=0, visible=True)
 
     def on_progress(s) -> None:
         progress.update(task, completed=s.done_rows, errors=s.error_rows,

@@ -36,7 +36,10 @@ def check_inputs(cfg: JobConfig) -> None:
     if not Path(ds.annotation).exists():
         raise ConfigError(f"{where}: dataset.annotation: file not found: {ds.annotation}{fetch}")
     if ds.video_root and not is_url(ds.video_root) and not Path(ds.video_root).is_dir():
-        raise ConfigError(f"{where}: dataset.video_root: directory not found: {ds.video_root}{fetch}")
+        root_hint = fetch if ds.adapter != "manifest" else (
+            " (the folder the manifest's `video` paths are relative to: check the path, and that its disk or "
+            "share is mounted)")
+        raise ConfigError(f"{where}: dataset.video_root: directory not found: {ds.video_root}{root_hint}")
     ckpt = cfg.model.checkpoint
     if Path(ckpt).is_absolute() and not Path(ckpt).is_dir():
         raise ConfigError(f"{where}: model.checkpoint: directory not found: {ckpt} "

@@ -267,14 +267,18 @@ def quarantine_damaged(directory: Path) -> list[DamagedPart]:
 
 
 def fingerprint_conflict(directory: Path, fingerprint: str) -> str | None:
-    """Why this config must not write into `directory` (another config's results), or None."""
+    """Why this config must not write into `directory` (another config's results), or None. A manifest
+    without parts (a run refused, or one whose engine failed to load, before any row) holds no results:
+    a corrected config takes the directory over."""
     parts = complete_parts(directory)
+    if not parts:
+        return None
     old = _stored_fingerprint(directory, parts)
     if old is not None and old != fingerprint:
         return (f"{directory} holds results of another config (fingerprint {old}, this config is "
                 f"{fingerprint}): model, prompt, loader or frames changed. Use --restart to discard them, or "
                 "--output to write elsewhere.")
-    if old is None and parts:
+    if old is None:
         return (f"{directory} has part files but no {MANIFEST}; not a batchjob output of this job. "
                 "Use --restart to discard them, or --output to write elsewhere.")
     return None

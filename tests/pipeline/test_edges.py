@@ -236,6 +236,23 @@ def write_output(directory: Path, rows: int, fingerprint: str, rng: random.Rando
     w.flush()
 
 
+def test_a_refused_run_does_not_block_the_corrected_config(tmp_path, h, synthetic):
+    """A run refused before any row (here: no clip at the video_root) leaves the output's manifest behind; the
+    corrected config (another fingerprint: more frames) validates and would run, not "use --restart"."""
+    manifest, _ = synthetic
+    unmounted = tmp_path / "unmounted"
+    cfg = h.write_config(tmp_path / "job.yaml", manifest, dataset={"video_root": str(unmounted)})
+    assert_refused(h.run_console("validate", str(cfg)), 2, f"directory not found: {unmounted}", "mounted")
+    unmounted.mkdir()                 # a mount point with nothing mounted on it: the run itself refuses
+    res = h.run_console("run", str(cfg))
+    assert_refused(res, 2, "none of the dataset's clips exists")
+    assert "0/?" not in res.stderr, res.stderr       # no progress bar for a run that never started
+    assert (tmp_path / "out" / "_job.json").exists() and nothing_written(tmp_path / "out")
+    cfg = h.write_config(tmp_path / "job.yaml", manifest, loader={"num_frames": 6})
+    res = h.run_console("validate", str(cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 def test_validate_reports_the_existing_outputs_fingerprint_and_damage(tmp_path, h, synthetic):
     manifest, _ = synthetic
     cfg = h.write_config(tmp_path / "job.yaml", manifest)

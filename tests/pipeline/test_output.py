@@ -142,6 +142,23 @@ def test_fingerprint_guard_and_restart(tmp_path):
         prepare_output(stray, "fp", {}, restart=False)
 
 
+def test_an_output_without_rows_takes_a_corrected_config(tmp_path):
+    """A run refused (or whose engine failed to load) before any row leaves only its manifest: the next config,
+    whatever its fingerprint, must not be told to --restart over results that do not exist."""
+    rng = random.Random()
+    first, second = (f"{rng.getrandbits(64):016x}" for _ in range(2))
+    assert prepare_output(tmp_path, first, {"job": "a"}, restart=False).existing is None
+    assert json.loads((tmp_path / MANIFEST).read_text())["fingerprint"] == first
+    assert prepare_output(tmp_path, second, {"job": "a"}, restart=False).existing is None
+    assert json.loads((tmp_path / MANIFEST).read_text())["fingerprint"] == second
+    w = PartWriter(tmp_path, {"fingerprint": second}, 2, 1e9)      # now it holds rows: the guard is back
+    now = datetime.now(timezone.utc)
+    w.add([make_result(rng, r, "x", now, now) for r in random_rows(rng, 3)])
+    w.flush()
+    with pytest.raises(OutputMismatch, match="another config"):
+        prepare_output(tmp_path, first, {}, restart=False)
+
+
 def test_one_run_per_output_directory(tmp_path):
     import os
 
