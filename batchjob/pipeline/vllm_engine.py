@@ -128,8 +128,16 @@ class VllmEngine(EngineBase):
             except PackageNotFoundError:
                 pass
         settings = self._model.vllm or VllmConfig()
-        return EngineDescription("vllm", self.model_id, {"vllm": found, "dtype": self._model.dtype,
+        return EngineDescription("vllm", self.model_id, {"vllm": found, "dtype": self._dtype(),
                                                          "tensor_parallel_size": settings.tensor_parallel_size})
+
+    def _dtype(self) -> str:
+        """The dtype vLLM runs, not the config's word for it: vLLM's `auto` makes a float32 checkpoint half
+        precision, so `auto` alone would hide what answered."""
+        try:
+            return str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        except AttributeError:
+            return str(self._model.dtype)
 
     def _request(self, clip: EngineClip, q: Question) -> tuple[dict[str, Any], Any]:
         from vllm import SamplingParams

@@ -126,7 +126,9 @@ def _write_job(path: Path, data: Path, checkpoint: Path, out: Path, engine: str)
 
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     cfg["dataset"].update(annotation=str(data / "manifest.jsonl"), video_root=str(data / "clips"))
-    cfg["model"].update(checkpoint=str(checkpoint), engine=engine)
+    # float32 for both: `dtype: auto` (the demo's) is each engine's own default, and vLLM's turns a float32
+    # checkpoint into half precision (bfloat16 on a CPU), which moves the probabilities by ~1e-3.
+    cfg["model"].update(checkpoint=str(checkpoint), engine=engine, dtype="float32")
     if engine == "vllm":
         cfg["model"]["vllm"] = {"max_model_len": 4096, "enforce_eager": True}
     cfg["output"].update(directory=str(out), rows_per_part=8)
@@ -148,7 +150,7 @@ def _run(*args: str, python: str = sys.executable) -> subprocess.CompletedProces
 def test_batchjob_run_with_vllm_writes_the_mlx_engines_rows(tmp_path, checkpoint):
     pytest.importorskip("ray", reason="batchjob run needs the ray extra in the vLLM environment")
     from batchjob.demo import build_synthetic_dataset
-    from batchjob.pipeline.output import read_output
+    from batchjob.pipeline.output import read_file_metadata, read_output
 
     pythons = {"mlx": need_mlx(), "vllm": sys.executable}
 
@@ -171,6 +173,7 @@ def test_batchjob_run_with_vllm_writes_the_mlx_engines_rows(tmp_path, checkpoint
         res = _run("run", str(job), python=pythons[engine])
         assert res.returncode in (0, 1), res.stderr[-3000:]   # 1: error rows above the job's threshold
         tables[engine] = {r["row_id"]: r for r in read_output(out).to_pylist()}
+        assert read_file_metadata(out)["engine"]["dtype"] == "float32", read_file_metadata(out)["engine"]
     mlx, vllm = tables["mlx"], tables["vllm"]
     worst = max((float(np.abs(np.subtract(mlx[r]["probs"], vllm[r]["probs"])).max()) for r in mlx if mlx[r]["probs"]),
                 default=0.0)
@@ -191,3 +194,23 @@ def test_batchjob_run_with_vllm_writes_the_mlx_engines_rows(tmp_path, checkpoint
             assert top[1] - top[0] < 2 * TOL, (row_id, pa, pb)
         assert a["prompt_tokens"] == b["prompt_tokens"]
     assert {vllm[r]["error"].split(":")[0] for r in ("bad-corrupt", "bad-missing")} == {"decode failed"}
+
+
+def test_the_run_records_the_dtype_vllm_chose_for_auto(checkpoint):
+    """`dtype: auto` is vLLM's own rule (half precision for a float32 checkpoint): the engine's description,
+    which goes into every part's metadata, names the dtype that answered, never the word `auto`."""
+    code = ("import sys; from batchjob.config import ModelConfig, PromptConfig, VllmConfig; "
+            "from batchjob.pipeline.vllm_engine import VllmEngine; "
+            "e = VllmEngine.load(ModelConfig(checkpoint=sys.argv[1], engine='vllm', dtype=sys.argv[2], "
+            "vllm=VllmConfig(max_model_len=4096, enforce_eager=True)), PromptConfig()); "
+            "print('DTYPE', e.describe().details['dtype'])")
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **os.environ,
+           "PYTHONPATH": str(ROOT)}
+    got = {}
+    for asked in ("auto", "float32"):
+        res = subprocess.run([sys.executable, "-c", code, str(checkpoint), asked], capture_output=True, text=True,
+                             timeout=600, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        got[asked] = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("DTYPE ")][-1]
+    assert got["float32"] == "float32", got
+    assert got["auto"] in ("bfloat16", "float16"), got     # float32 checkpoint, vLLM's auto: half precision
