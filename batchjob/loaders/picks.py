@@ -90,3 +90,42 @@ def fill_targets(keyframe_indices: list[int], total_frames: int, num_frames: int
         kf = keyframe_indices[gop_of(keyframe_indices, t)]
         pulled.append(kf + int((t - kf) * scale))
     return pulled
+
+
+def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: int, step: int) -> list[int]:
+    """Keyframes spread over the clip, each followed by a short burst of the frames right after it.
+
+    Enough keyframes: the keyframe picks (one picture each). Fewer: at most `ceil(num_frames / 2)` anchor
+    keyframes, spread by `keyframe_picks`, share the frames in pairs (counts at most one pair apart; an odd
+    frame count leaves one anchor a single frame), and anchor `a` with `m` frames gives `a, a + s, ..., a +
+    (m - 1) s`, `s = step` or less where the next anchor (or the clip's end) comes sooner, so frames stay
+    distinct and in order wherever the clip has room. Reaching them costs about `(m - 1) * step + 1`
+    pictures per anchor, however long the GOP.
+
+    Why pairs: Qwen-VL models fold consecutive frames two by two into one temporal patch, so a (keyframe,
+    keyframe + step) pair lands in one patch and shows motion inside it, as two uniformly spaced frames do;
+    the anchors' spread gives the order of events over the whole clip.
+    """
+    if not keyframe_indices or total_frames <= 0 or num_frames <= 0:
+        raise ValueError(f"need keyframes and frames, got {len(keyframe_indices)} keyframes, "
+                         f"{total_frames} frames in the clip, {num_frames} asked")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
+        raise ValueError(f"step must be a positive integer, got {step!r}")
+    k = len(keyframe_indices)
+    if k >= num_frames:
+        return [keyframe_indices[p] for p in keyframe_picks(k, num_frames)]
+    anchors = [keyframe_indices[p] for p in keyframe_picks(k, min(k, (num_frames + 1) // 2))]
+    pairs = [0] * len(anchors)
+    if num_frames >= 2:
+        for p in keyframe_picks(len(anchors), num_frames // 2):
+            pairs[p] += 1
+    counts = [2 * n for n in pairs]
+    if num_frames % 2:   # the odd frame: the first anchor left without a pair, else the last anchor
+        counts[counts.index(0) if 0 in counts else len(counts) - 1] += 1
+    out = []
+    for i, (anchor, m) in enumerate(zip(anchors, counts)):
+        end = anchors[i + 1] if i + 1 < len(anchors) else total_frames
+        room = end - anchor
+        s = min(step, max(1, (room - 1) // max(1, m - 1)))
+        out.extend(anchor + min(j * s, room - 1) for j in range(m))
+    return out
