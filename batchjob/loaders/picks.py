@@ -95,7 +95,7 @@ def fill_targets(keyframe_indices: list[int], total_frames: int, num_frames: int
 def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: int, step: int) -> list[int]:
     """Keyframes spread over the clip, each followed by a short burst of the frames right after it.
 
-    Enough keyframes: the keyframe picks (one picture each). Fewer: at most `ceil(num_frames / 2)` anchor
+    Enough keyframes: the keyframe picks (one picture each). As many frames as the clip has: every frame. Fewer: at most `ceil(num_frames / 2)` anchor
     keyframes, spread by `keyframe_picks`, share the frames in pairs (counts at most one pair apart; an odd
     frame count leaves one anchor a single frame), and anchor `a` with `m` frames gives `a, a + s, ..., a +
     (m - 1) s`, `s = step` or less where the next anchor (or the clip's end) comes sooner, so frames stay
@@ -111,6 +111,8 @@ def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: in
                          f"{total_frames} frames in the clip, {num_frames} asked")
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
         raise ValueError(f"step must be a positive integer, got {step!r}")
+    if num_frames >= total_frames:
+        return list(range(total_frames))  # every frame once, as the uniform loaders return it
     k = len(keyframe_indices)
     if k >= num_frames:
         return [keyframe_indices[p] for p in keyframe_picks(k, num_frames)]
