@@ -1,9 +1,10 @@
 """Which frames to return: pure functions over indices, testable without any video.
 
-Two placements exist. Keyframe picks spread the budget evenly over the clip's keyframe list, repeating
-keyframes (balanced: counts at most one apart) when there are fewer keyframes than frames asked for. Uniform targets spread the
-budget over all frames the way vLLM's default loader does (`linspace(..., dtype=int)`, i.e. truncation),
-so A/B comparisons against that loader line up frame for frame.
+Three placements exist. Keyframe picks spread the budget evenly over the clip's keyframe list, repeating
+keyframes (balanced: counts at most one apart) when there are fewer keyframes than frames asked for.
+Uniform targets spread the budget over all frames the way vLLM's default loader does (`linspace(...,
+dtype=int)`, i.e. truncation), so A/B comparisons against that loader line up frame for frame. Burst
+targets put short runs of frames after a few spread keyframes (`burst_targets`).
 """
 
 from __future__ import annotations
@@ -95,12 +96,13 @@ def fill_targets(keyframe_indices: list[int], total_frames: int, num_frames: int
 def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: int, step: int) -> list[int]:
     """Keyframes spread over the clip, each followed by a short burst of the frames right after it.
 
-    Enough keyframes: the keyframe picks (one picture each). As many frames as the clip has: every frame. Fewer: at most `ceil(num_frames / 2)` anchor
-    keyframes, spread by `keyframe_picks`, share the frames in pairs (counts at most one pair apart; an odd
-    frame count leaves one anchor a single frame), and anchor `a` with `m` frames gives `a, a + s, ..., a +
-    (m - 1) s`, `s = step` or less where the next anchor (or the clip's end) comes sooner, so frames stay
-    distinct and in order wherever the clip has room. Reaching them costs about `(m - 1) * step + 1`
-    pictures per anchor, however long the GOP.
+    As many frames as the clip has: every frame. Enough keyframes: the keyframe picks (one picture each).
+    Fewer: at most `ceil(num_frames / 2)` anchor keyframes, spread by `keyframe_picks`, share the frames in
+    pairs (counts at most one pair apart; an odd frame count leaves one anchor a single frame), and anchor `a`
+    with `m` frames gives `a, a + s, ..., a + (m - 1) s`, `s = step` or less where the next anchor (or the
+    clip's end) comes sooner, so frames stay distinct and in order wherever the clip has room (a stretch
+    shorter than its burst repeats its last frame). Reaching them costs about `(m - 1) * step + 1` pictures
+    per anchor, however long the GOP.
 
     Why pairs: Qwen-VL models fold consecutive frames two by two into one temporal patch, so a (keyframe,
     keyframe + step) pair lands in one patch and shows motion inside it, as two uniformly spaced frames do;

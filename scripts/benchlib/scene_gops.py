@@ -3,8 +3,9 @@
 Each scene is rendered once per frame and fed to one encoder per GOP length, so every GOP variant of a scene
 holds the same pictures and only the keyframe spacing differs. Sensor noise is fresh in every frame (rolled
 copies of a few noise fields: cheaper than drawing 2.7 M normals a frame, and no encoder can predict it), so
-predicted pictures cost what they cost in camera footage (NOISE, CRF below). Files are cached by name (the name carries every
-setting they depend on) and written under a temporary name first, so an interrupted run never leaves a torn one.
+predicted pictures cost what they cost in camera footage (NOISE, CRF below). Files are cached by name (the name
+carries every setting they depend on) and written under a temporary name first, so an interrupted run never
+leaves a torn one.
 """
 from __future__ import annotations
 
