@@ -1,8 +1,8 @@
 """Video loaders: compressed clip in, uint8 RGB frames `[T, H, W, 3]` plus vLLM-style metadata out.
 
 Backends (see each module): `pyav_keyframes` (keyframes only, the default), `pyav_adaptive` (keyframes,
-or exact uniform frames when keyframes are too few), `pyav_burst` (keyframes, or a few keyframes each
-with a short burst after it: motion at close to keyframe cost), `opencv` (lossless uniform baseline, as vLLM's).
+or exact uniform frames when keyframes are too few), `pyav_burst` (keyframes, each repeat replaced by
+the frame right after it: motion at close to keyframe cost), `opencv` (lossless uniform baseline, as vLLM's).
 """
 
 from __future__ import annotations

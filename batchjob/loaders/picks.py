@@ -4,7 +4,7 @@ Three placements exist. Keyframe picks spread the budget evenly over the clip's 
 keyframes (balanced: counts at most one apart) when there are fewer keyframes than frames asked for.
 Uniform targets spread the budget over all frames the way vLLM's default loader does (`linspace(...,
 dtype=int)`, i.e. truncation), so A/B comparisons against that loader line up frame for frame. Burst
-targets put short runs of frames after a few spread keyframes (`burst_targets`).
+targets are keyframe picks whose repeats become the frames right after the keyframe (`burst_targets`).
 """
 
 from __future__ import annotations
@@ -94,19 +94,18 @@ def fill_targets(keyframe_indices: list[int], total_frames: int, num_frames: int
 
 
 def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: int, step: int) -> list[int]:
-    """Keyframes spread over the clip, each followed by a short burst of the frames right after it.
+    """The keyframe picks, with every repeat of a keyframe replaced by the frame `step` after the one before it.
 
-    As many frames as the clip has: every frame. Enough keyframes: the keyframe picks (one picture each).
-    Fewer: at most `ceil(num_frames / 2)` anchor keyframes, spread by `keyframe_picks`, share the frames in
-    pairs (counts at most one pair apart; an odd frame count leaves one anchor a single frame), and anchor `a`
-    with `m` frames gives `a, a + s, ..., a + (m - 1) s`, `s = step` or less where the next anchor (or the
-    clip's end) comes sooner, so frames stay distinct and in order wherever the clip has room (a stretch
-    shorter than its burst repeats its last frame). Reaching them costs about `(m - 1) * step + 1` pictures
-    per anchor, however long the GOP.
+    As many frames as the clip has: every frame. Otherwise the layout is `keyframe_picks`' (enough keyframes:
+    one picture each), so the frames keep the keyframes' spread over the clip and the same pairing into
+    temporal patches; where a keyframe would be shown `m` times, the frames are `k, k + s, ..., k + (m - 1) s`
+    instead (`s = step`, or less where the next keyframe or the clip's end comes sooner; a GOP shorter than
+    its share repeats its last frame). Reaching them costs `(m - 1) * s + 1` pictures per keyframe, however
+    long the GOP.
 
-    Why pairs: Qwen-VL models fold consecutive frames two by two into one temporal patch, so a (keyframe,
-    keyframe + step) pair lands in one patch and shows motion inside it, as two uniformly spaced frames do;
-    the anchors' spread gives the order of events over the whole clip.
+    Why: Qwen-VL models fold consecutive frames two by two into one temporal patch. A repeated keyframe makes
+    a patch of two identical pictures, which shows no motion; a keyframe and the frame a few after it show
+    the motion at that instant, as two uniformly spaced frames show it.
     """
     if not keyframe_indices or total_frames <= 0 or num_frames <= 0:
         raise ValueError(f"need keyframes and frames, got {len(keyframe_indices)} keyframes, "
@@ -115,21 +114,12 @@ def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: in
         raise ValueError(f"step must be a positive integer, got {step!r}")
     if num_frames >= total_frames:
         return list(range(total_frames))  # every frame once, as the uniform loaders return it
-    k = len(keyframe_indices)
-    if k >= num_frames:
-        return [keyframe_indices[p] for p in keyframe_picks(k, num_frames)]
-    anchors = [keyframe_indices[p] for p in keyframe_picks(k, min(k, (num_frames + 1) // 2))]
-    pairs = [0] * len(anchors)
-    if num_frames >= 2:
-        for p in keyframe_picks(len(anchors), num_frames // 2):
-            pairs[p] += 1
-    counts = [2 * n for n in pairs]
-    if num_frames % 2:   # the odd frame: the first anchor left without a pair, else the last anchor
-        counts[counts.index(0) if 0 in counts else len(counts) - 1] += 1
+    picks = keyframe_picks(len(keyframe_indices), num_frames)
     out = []
-    for i, (anchor, m) in enumerate(zip(anchors, counts)):
-        end = anchors[i + 1] if i + 1 < len(anchors) else total_frames
-        room = end - anchor
+    for p in sorted(set(picks)):
+        m = picks.count(p)
+        anchor = keyframe_indices[p]
+        room = (keyframe_indices[p + 1] if p + 1 < len(keyframe_indices) else total_frames) - anchor
         s = min(step, max(1, (room - 1) // max(1, m - 1)))
         out.extend(anchor + min(j * s, room - 1) for j in range(m))
     return out

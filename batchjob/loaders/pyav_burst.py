@@ -1,16 +1,18 @@
-"""`pyav_burst`: keyframes where they cover the clip, else each keyframe plus a short burst after it.
+"""`pyav_burst`: the keyframe loader's frames, with each repeated keyframe replaced by the frames right after it.
 
 Exact uniform frames inside a long GOP cost a forward decode from its keyframe, up to the whole GOP per
-frame: on a clip with one keyframe, the whole clip. Keyframes alone are cheap but, when there are few, the
-model gets the same instant several times over and sees no motion. This loader spends a few pictures after
-each of a few spread keyframes instead (`picks.burst_targets`): Qwen-VL models fold consecutive frames two
-by two into one temporal patch, so a (keyframe, keyframe + step) pair shows motion inside a patch the way two
-uniformly spaced frames do, and the keyframes' spread keeps the order of events over the whole clip. The cost
-is about `num_frames * burst_step` pictures beyond the keyframes, whatever the GOP length.
+frame: on a clip with one keyframe, the whole clip. Keyframes alone are cheap, but when a clip has fewer
+keyframes than frames asked for, `pyav_keyframes` repeats them, and Qwen-VL models, which fold consecutive
+frames two by two into one temporal patch, then see patches of two identical pictures: no motion. This
+loader keeps `pyav_keyframes`' layout (the same keyframes, the same spread over the clip, the same pairing
+into patches, which is what order-of-events questions need) and replaces each repeat by the frame
+`burst_step` after the one before it (`picks.burst_targets`), so a patch shows the motion at that instant
+for a few predicted pictures more. Bursts instead of the keyframes' layout (a few anchors, each with its
+own run) lost order-of-events accuracy with the demo model; see the README's sampler curve.
 
-What it cannot see: motion that happens entirely between two anchors' bursts and after the last keyframe
-(a single-keyframe clip shows only its first `num_frames * burst_step` frames). When that matters more than
-decode time, use `pyav_adaptive` (exact uniform frames) instead.
+What it cannot see: what happens between keyframes (order of events inside one long GOP; the end of a
+clip after its last keyframe). A clip with one keyframe shows only its first `num_frames * burst_step`
+frames. When that matters more than decode time, use `pyav_adaptive` (exact uniform frames).
 Frame indices and timestamps in the metadata are those of the frames returned (every frame is decoded
 exactly, forward from its keyframe). How many frames: as vLLM's uniform loader counts them (request.py).
 """
@@ -32,7 +34,7 @@ from batchjob.loaders.sampling import frames_at, keyframe_frames, require_keyfra
 from batchjob.loaders.vllm_bridge import register_with_vllm
 
 NAME = "pyav_burst"
-DEFAULT_BURST_STEP = 6
+DEFAULT_BURST_STEP = 2
 
 
 def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_recovery: bool = False,
@@ -66,11 +68,11 @@ def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_r
 
 @VIDEO_LOADER_REGISTRY.register(NAME)
 class PyAVBurstLoader:
-    """Keyframes when the clip has enough, else a few spread keyframes each followed by a short burst of the
-    frames right after it: motion and order at close to keyframe cost."""
+    """Keyframes spread over the clip; where a keyframe would repeat, the frames right after it instead
+    (motion inside each temporal patch) at close to keyframe cost."""
 
     options = {"fps": FPS_OPTION,
-               "burst_step": LoaderOption(int, "frames between a keyframe and each next frame of its burst",
+               "burst_step": LoaderOption(int, "frames between a keyframe and each frame that replaces a repeat of it",
                                           minimum=1),
                "use_index": USE_INDEX_OPTION}
 

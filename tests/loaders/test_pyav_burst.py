@@ -17,27 +17,22 @@ from batchjob.synthetic.clips import make_clip, read_counter
 
 
 def reference_plan(keys: list[int], total: int, num_frames: int, step: int) -> list[int]:
-    """The documented placement, spelled out from the docstring (not imported)."""
+    """The documented placement, spelled out from the docstring (not imported): keyframe picks, repeats
+    replaced by the frames `step` apart after the keyframe, inside its GOP."""
     if num_frames >= total:
         return list(range(total))
     k = len(keys)
-    if k >= num_frames:
-        return [keys[int(p)] for p in np.round(np.linspace(0, k - 1, num_frames))]
-    a = min(k, -(-num_frames // 2))
-    anchors = [keys[int(p)] for p in np.round(np.linspace(0, k - 1, a))]
-    pairs = num_frames // 2
-    if pairs >= a:
-        counts = [2 * sum(1 for i in range(pairs) if int(np.floor((i + 0.5) * a / pairs)) == j) for j in range(a)]
+    if num_frames <= k:
+        picks = [int(p) for p in np.round(np.linspace(0, k - 1, num_frames))]
     else:
-        chosen = {int(p) for p in np.round(np.linspace(0, a - 1, pairs))} if pairs else set()
-        counts = [2 if j in chosen else 0 for j in range(a)]
-    if num_frames % 2:
-        counts[counts.index(0) if 0 in counts else a - 1] += 1
+        picks = [int(np.floor((i + 0.5) * k / num_frames)) for i in range(num_frames)]
     out = []
-    for j, (anchor, m) in enumerate(zip(anchors, counts)):
-        room = (anchors[j + 1] if j + 1 < a else total) - anchor
+    for i, p in enumerate(picks):
+        j = i - picks.index(p)                       # how many times this keyframe came before
+        m = picks.count(p)
+        room = (keys[p + 1] if p + 1 < k else total) - keys[p]
         s = step if m < 2 else min(step, max(1, (room - 1) // (m - 1)))
-        out += [anchor + min(i * s, room - 1) for i in range(m)]
+        out.append(keys[p] + min(j * s, room - 1))
     return out
 
 
@@ -62,8 +57,10 @@ def test_burst_plan_on_random_keyframe_layouts(rng):
 def test_burst_plan_examples():
     assert burst_targets([0, 240], 480, 8, 6) == [0, 6, 12, 18, 240, 246, 252, 258]
     assert burst_targets([0], 480, 8, 4) == [0, 4, 8, 12, 16, 20, 24, 28]
-    assert burst_targets([0, 120, 240, 360, 400], 480, 8, 6) == [0, 6, 120, 126, 360, 366, 400, 406]
-    assert burst_targets([0, 3], 10, 8, 6) == [0, 1, 2, 2, 3, 5, 7, 9]   # a stretch shorter than its burst repeats
+    assert burst_targets([0, 160, 320], 480, 8, 2) == [0, 2, 4, 160, 162, 320, 322, 324]   # picks 0,0,0,1,1,2,2,2
+    assert burst_targets([0, 80, 160, 240, 320, 400], 480, 8, 2) == [0, 80, 82, 160, 240, 320, 322, 400]
+    assert burst_targets([0, 3], 10, 8, 6) == [0, 1, 2, 2, 3, 5, 7, 9]   # a GOP shorter than its share repeats
+    assert burst_targets(list(range(0, 480, 12)), 480, 8, 6) == [0, 72, 132, 204, 264, 336, 396, 468]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "6"])
