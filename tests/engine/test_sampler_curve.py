@@ -53,9 +53,10 @@ def test_small_run_writes_the_curve(tmp_path):
     report = json.loads(out.read_text())
     assert "sampler_curve.py --small" in report["command"]
     rows = report["rows"]
-    assert {(r["loader"], r["gop"]) for r in rows} == {(l, g) for l in sampler_curve.LOADERS for g in ("0.5s", "1key")}
+    assert {(r["loader"], r["gop"]) for r in rows} == {(name, g) for name in sampler_curve.LOADERS
+                                                       for g in ("0.5s", "1key")}
     for r in rows:
-        assert r["clips"] == 2 and r["colour_n"] == 2 and r["direction_n"] == 2 and r["order_n"] == 1
+        assert r["clips"] == 2 and r["colour_n"] == 2 and r["direction_n"] == 2 and 1 <= r["order_n"] <= 2
         assert all(0 <= r[k] <= 1 for k in sampler_curve.KINDS) and r["decode_ms"] > 0
         if r["loader"] == "pyav_keyframes":
             assert r["ms_vs_keyframes"] == 1.0
