@@ -57,6 +57,7 @@ def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_r
             if listing.sorted_pts is None:  # the sample table has no presentation times: sweep once
                 listing = from_sweep(container, stream, label)
                 require_keyframes(listing, label)
+            stream.codec_context.thread_count = 1   # short runs: a thread pool's start-up and hand-offs cost more
             targets = burst_targets([k.index for k in listing.keyframes], listing.total_num_frames, num_frames,
                                     int(burst_step))
             frames, indices, decoded, pts = frames_at(container, stream, listing, targets, label)
