@@ -1,7 +1,8 @@
 """Video loaders: compressed clip in, uint8 RGB frames `[T, H, W, 3]` plus vLLM-style metadata out.
 
 Backends (see each module): `pyav_keyframes` (keyframes only, the default), `pyav_adaptive` (keyframes,
-or exact uniform frames when keyframes are too few), `opencv` (lossless uniform baseline, as vLLM's).
+or exact uniform frames when keyframes are too few), `pyav_burst` (keyframes, each repeat replaced by
+the frame right after it: motion at close to keyframe cost), `opencv` (lossless uniform baseline, as vLLM's).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from batchjob.loaders.media import Source
 from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY, get_loader, list_loaders
 from batchjob.loaders.remote import load_url
 from batchjob.loaders.transport import RemoteOptions
-from batchjob.loaders import opencv, pyav_adaptive, pyav_keyframes  # noqa: E402,F401  (registers built-ins)
+from batchjob.loaders import opencv, pyav_adaptive, pyav_burst, pyav_keyframes  # noqa: E402,F401  (registers built-ins)
 
 __all__ = ["load_video", "LoaderError", "VideoNotFound", "UnsupportedMedia", "CorruptVideo", "MissingTimestamps",
            "InvalidArgument", "RemoteReadError", "RemoteOptions", "VIDEO_LOADER_REGISTRY", "get_loader", "list_loaders"]

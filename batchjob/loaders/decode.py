@@ -107,12 +107,16 @@ def decode_run(container, stream, kf: Keyframe, wanted_pts: set[int], label: str
     starting keyframe's own leading pictures reference the GOP before it, which this run never decoded:
     they come out concealed (and flagged corrupt), but are shown before the keyframe and so never wanted.
     A packet the decoder refuses (damaged) is skipped: only the pictures that are wanted must come out whole.
+    Once every wanted picture's packet has been sent, the decoder is drained instead of fed: a picture only
+    references pictures decoded before it, and the ones it holds back for reordering come out without
+    decoding the packets that follow.
     """
     packet, packets = _seek(container, stream, kf, label)
     codec = stream.codec_context
     found: dict[int, np.ndarray] = {}
     decoded = 0
     last = max(wanted_pts)
+    unsent = set(wanted_pts)
 
     def take(packet) -> bool:
         nonlocal decoded
@@ -128,13 +132,15 @@ def decode_run(container, stream, kf: Keyframe, wanted_pts: set[int], label: str
                 return True
         return False
 
+    unsent.discard(packet.pts)
     done = take(packet)
     for packet in packets:
-        if done or packet.size == 0 or decoded > max_frames + MAX_REORDER:
+        if done or not unsent or packet.size == 0 or decoded > max_frames + MAX_REORDER:
             break
+        unsent.discard(packet.pts)
         done = take(packet)
     if not done:
-        take(None)  # end of stream: drain the pictures held for reordering
+        take(None)  # every wanted packet sent, or the end of the stream: drain the pictures held back
     codec.flush_buffers()
     missing = sorted(wanted_pts - set(found))
     if missing:

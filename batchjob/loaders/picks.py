@@ -1,9 +1,10 @@
 """Which frames to return: pure functions over indices, testable without any video.
 
-Two placements exist. Keyframe picks spread the budget evenly over the clip's keyframe list, repeating
-keyframes (balanced: counts at most one apart) when there are fewer keyframes than frames asked for. Uniform targets spread the
-budget over all frames the way vLLM's default loader does (`linspace(..., dtype=int)`, i.e. truncation),
-so A/B comparisons against that loader line up frame for frame.
+Three placements exist. Keyframe picks spread the budget evenly over the clip's keyframe list, repeating
+keyframes (balanced: counts at most one apart) when there are fewer keyframes than frames asked for.
+Uniform targets spread the budget over all frames the way vLLM's default loader does (`linspace(...,
+dtype=int)`, i.e. truncation), so A/B comparisons against that loader line up frame for frame. Burst
+targets are keyframe picks whose repeats become the frames right after the keyframe (`burst_targets`).
 """
 
 from __future__ import annotations
@@ -90,3 +91,35 @@ def fill_targets(keyframe_indices: list[int], total_frames: int, num_frames: int
         kf = keyframe_indices[gop_of(keyframe_indices, t)]
         pulled.append(kf + int((t - kf) * scale))
     return pulled
+
+
+def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: int, step: int) -> list[int]:
+    """The keyframe picks, with every repeat of a keyframe replaced by the frame `step` after the one before it.
+
+    As many frames as the clip has: every frame. Otherwise the layout is `keyframe_picks`' (enough keyframes:
+    one picture each), so the frames keep the keyframes' spread over the clip and the same pairing into
+    temporal patches; where a keyframe would be shown `m` times, the frames are `k, k + s, ..., k + (m - 1) s`
+    instead (`s = step`, or less where the next keyframe or the clip's end comes sooner; a GOP shorter than
+    its share repeats its last frame). Reaching them costs `(m - 1) * s + 1` pictures per keyframe, however
+    long the GOP.
+
+    Why: Qwen-VL models fold consecutive frames two by two into one temporal patch. A repeated keyframe makes
+    a patch of two identical pictures, which shows no motion; a keyframe and the frame a few after it show
+    the motion at that instant, as two uniformly spaced frames show it.
+    """
+    if not keyframe_indices or total_frames <= 0 or num_frames <= 0:
+        raise ValueError(f"need keyframes and frames, got {len(keyframe_indices)} keyframes, "
+                         f"{total_frames} frames in the clip, {num_frames} asked")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
+        raise ValueError(f"step must be a positive integer, got {step!r}")
+    if num_frames >= total_frames:
+        return list(range(total_frames))  # every frame once, as the uniform loaders return it
+    picks = keyframe_picks(len(keyframe_indices), num_frames)
+    out = []
+    for p in sorted(set(picks)):
+        m = picks.count(p)
+        anchor = keyframe_indices[p]
+        room = (keyframe_indices[p + 1] if p + 1 < len(keyframe_indices) else total_frames) - anchor
+        s = min(step, max(1, (room - 1) // max(1, m - 1)))
+        out.extend(anchor + min(j * s, room - 1) for j in range(m))
+    return out

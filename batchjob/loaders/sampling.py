@@ -34,15 +34,23 @@ def keyframe_frames(container, stream, listing: KeyframeListing, num_frames: int
 
 
 def exact_frames(container, stream, listing: KeyframeListing, num_frames: int, max_decoded_frames: int,
-                 label: str) -> tuple[list[np.ndarray], list[int], int]:
-    """Uniformly placed exact frames, each decoded forward from the keyframe before it.
+                 label: str) -> tuple[list[np.ndarray], list[int], int, list[int]]:
+    """Uniformly placed exact frames, each decoded forward from the keyframe before it (`fill_targets`)."""
+    kf_indices = [k.index for k in listing.keyframes]
+    targets = fill_targets(kf_indices, listing.total_num_frames, num_frames, max_decoded_frames)
+    return frames_at(container, stream, listing, targets, label)
+
+
+def frames_at(container, stream, listing: KeyframeListing, targets: list[int],
+              label: str) -> tuple[list[np.ndarray], list[int], int, list[int]]:
+    """The frames at presentation indices `targets` (any order, repeats allowed), each decoded forward from
+    the keyframe before it; targets sharing a keyframe share one run.
 
     Needs a sweep listing (every frame's PTS), since the sample table only gives decode timestamps.
     Returns frames, indices, how many pictures were decoded, and the frames' PTS.
     """
     assert listing.sorted_pts is not None, "exact frames need the sweep's presentation timestamps"
     kf_indices = [k.index for k in listing.keyframes]
-    targets = fill_targets(kf_indices, listing.total_num_frames, num_frames, max_decoded_frames)
     runs: dict[int, list[int]] = {}
     for t in targets:
         runs.setdefault(gop_of(kf_indices, t), []).append(t)
@@ -54,5 +62,5 @@ def exact_frames(container, stream, listing: KeyframeListing, num_frames: int, m
         found, decoded = decode_run(container, stream, listing.keyframes[position], wanted, label, span)
         pictures.update(found)
         total_decoded += decoded
-    return ([pictures[listing.sorted_pts[t]] for t in targets], targets, total_decoded,
+    return ([pictures[listing.sorted_pts[t]] for t in targets], list(targets), total_decoded,
             [listing.sorted_pts[t] for t in targets])

@@ -12,7 +12,7 @@ from batchjob.loaders import (CorruptVideo, InvalidArgument, LoaderError, Missin
                               VideoNotFound, list_loaders, load_video)
 from batchjob.synthetic.clips import make_clip
 
-LOADERS = ["pyav_keyframes", "pyav_adaptive", "opencv"]
+LOADERS = ["pyav_keyframes", "pyav_adaptive", "pyav_burst", "opencv"]
 
 
 @pytest.fixture(autouse=True)

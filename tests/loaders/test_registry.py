@@ -16,7 +16,7 @@ from batchjob.loaders.registry import VideoLoaderRegistry
 
 
 def test_builtin_loaders_are_listed():
-    assert {"pyav_keyframes", "pyav_adaptive", "opencv"} <= set(list_loaders())
+    assert {"pyav_keyframes", "pyav_adaptive", "pyav_burst", "opencv"} <= set(list_loaders())
     assert get_loader("pyav_keyframes") is VIDEO_LOADER_REGISTRY.load("pyav_keyframes")
 
 
@@ -100,18 +100,18 @@ def test_bridge_serves_vllm_calls(monkeypatch, clips):
 
 
 def test_plugin_entry_point_registers_every_loader(monkeypatch):
-    """`vllm.general_plugins` -> register_all: all three, ours under their own names, vLLM's opencv kept."""
+    """`vllm.general_plugins` -> register_all: all four, ours under their own names, vLLM's opencv kept."""
     import importlib
 
-    from batchjob.loaders import opencv, pyav_adaptive, pyav_keyframes
+    from batchjob.loaders import opencv, pyav_adaptive, pyav_burst, pyav_keyframes
 
     video = _fake_vllm(monkeypatch)
     video.VIDEO_LOADER_REGISTRY.loaders["opencv"] = "vLLM's own"
-    for module in (pyav_keyframes, pyav_adaptive, opencv):  # what importing them fresh in a vLLM process does
+    for module in (pyav_keyframes, pyav_adaptive, pyav_burst, opencv):  # what importing them fresh in a vLLM process does
         importlib.reload(module)
     bridge.register_all()
     loaders = video.VIDEO_LOADER_REGISTRY.loaders
-    assert {"pyav_keyframes", "pyav_adaptive", "batchjob_opencv"} <= set(loaders)
+    assert {"pyav_keyframes", "pyav_adaptive", "pyav_burst", "batchjob_opencv"} <= set(loaders)
     assert loaders["opencv"] == "vLLM's own"
 
 

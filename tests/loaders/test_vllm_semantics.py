@@ -15,7 +15,7 @@ import pytest
 from batchjob.loaders import CorruptVideo, load_video
 from batchjob.synthetic.clips import cut_without_reencode, make_clip
 
-LOADERS = ["pyav_keyframes", "pyav_adaptive", "opencv"]
+LOADERS = ["pyav_keyframes", "pyav_adaptive", "pyav_burst", "opencv"]
 CLIPS = ["h264_bframes_mp4", "hevc_bframes_mp4", "h264_bframes_mkv", "vp9_webm", "h264_single_keyframe",
          "h264_dense"]
 
@@ -64,7 +64,7 @@ def test_all_frames_means_every_keyframe_for_the_keyframe_loader(clips, clip):
     check_pixels(frames, meta, decoded, "pyav_keyframes")
 
 
-@pytest.mark.parametrize("loader", ["pyav_adaptive", "opencv"])
+@pytest.mark.parametrize("loader", ["pyav_adaptive", "pyav_burst", "opencv"])
 @pytest.mark.parametrize("clip", ["h264_bframes_mp4", "h264_bframes_mkv", "h264_single_keyframe"])
 def test_all_frames_and_overlong_requests_give_each_frame_once(clips, loader, clip):
     path, decoded = clips(clip)

@@ -53,7 +53,8 @@ def test_validate_ok_and_helpers(tmp_path, h, synthetic):
     res = h.run_cli("validate", str(h.write_config(tmp_path / "job.yaml", manifest)))
     assert res.returncode == 0 and f"{len(clips) * 3} questions on {len(clips)} clips" in res.stdout, res.stderr
     listed = h.run_cli("loaders")
-    assert listed.returncode == 0 and all(n in listed.stdout for n in ("pyav_keyframes", "pyav_adaptive", "opencv"))
+    assert listed.returncode == 0 and all(n in listed.stdout
+                                          for n in ("pyav_keyframes", "pyav_adaptive", "pyav_burst", "opencv"))
     missing = h.run_cli("report", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "no part-" in missing.stderr
 

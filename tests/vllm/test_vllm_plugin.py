@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.vllm,
                                  reason="vLLM is not installed here; scripts/vllm_tests.sh runs these in the "
                                         "environment scripts/vllm_env.sh builds")]
 
-OUR_LOADERS = {"pyav_keyframes": "pyav_keyframes", "pyav_adaptive": "pyav_adaptive", "batchjob_opencv": "opencv"}
+OUR_LOADERS = {"pyav_keyframes": "pyav_keyframes", "pyav_adaptive": "pyav_adaptive", "pyav_burst": "pyav_burst",
+               "batchjob_opencv": "opencv"}
 CLIPS = ["h264_bframes_mp4", "hevc_bframes_mp4", "h264_bframes_mkv", "vp9_webm", "h264_single_keyframe"]
 # (num_frames, fps) as vLLM passes them: its VideoMediaIO default is 32 frames; fps <= 0 means no limit.
 CALLS = [(32, -1), (32, 1), (32, 2.5), (6, 0.5), (-1, 1), (100, -1), (1, -1), (8, 30)]

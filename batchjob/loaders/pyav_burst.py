@@ -1,0 +1,91 @@
+"""`pyav_burst`: the keyframe loader's frames, with each repeated keyframe replaced by the frames right after it.
+
+Exact uniform frames inside a long GOP cost a forward decode from its keyframe, up to the whole GOP per
+frame: on a clip with one keyframe, the whole clip. Keyframes alone are cheap, but when a clip has fewer
+keyframes than frames asked for, `pyav_keyframes` repeats them, and Qwen-VL models, which fold consecutive
+frames two by two into one temporal patch, then see patches of two identical pictures: no motion. This
+loader keeps `pyav_keyframes`' layout (the same keyframes, the same spread over the clip, the same pairing
+into patches, which is what order-of-events questions need) and replaces each repeat by the frame
+`burst_step` after the one before it (`picks.burst_targets`), so a patch shows the motion at that instant
+for a few predicted pictures more. Bursts instead of the keyframes' layout (a few anchors, each with its
+own run) lost order-of-events accuracy with the demo model; see the README's sampler curve.
+
+What it cannot see: what happens between keyframes (order of events inside one long GOP; the end of a
+clip after its last keyframe). A clip with one keyframe shows only its first `num_frames * burst_step`
+frames. When that matters more than decode time, use `pyav_adaptive` (exact uniform frames).
+Frame indices and timestamps in the metadata are those of the frames returned (every frame is decoded
+exactly, forward from its keyframe). How many frames: as vLLM's uniform loader counts them (request.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from batchjob.loaders.errors import InvalidArgument
+from batchjob.loaders.keyframes import USE_INDEX_OPTION, from_sweep, list_keyframes
+from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, pts_seconds,
+                                    stack_frames)
+from batchjob.loaders.picks import burst_targets
+from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY, LoaderOption
+from batchjob.loaders.request import FPS_OPTION, FrameRequest
+from batchjob.loaders.sampling import frames_at, keyframe_frames, require_keyframes
+from batchjob.loaders.vllm_bridge import register_with_vllm
+
+NAME = "pyav_burst"
+DEFAULT_BURST_STEP = 2
+
+
+def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_recovery: bool = False,
+               burst_step: int = DEFAULT_BURST_STEP, use_index: bool = True,
+               **_ignored) -> tuple[np.ndarray, dict]:
+    label = describe(source)
+    request = FrameRequest.parse(label, NAME, num_frames, fps, frame_recovery)
+    if isinstance(burst_step, bool) or not isinstance(burst_step, (int, np.integer)) or burst_step < 1:
+        raise InvalidArgument(label, f"burst_step must be a positive integer (frames between a keyframe and the "
+                                     f"frames after it), got {burst_step!r}")
+    with ffmpeg_errors(label), open_video(source, label) as (container, stream):
+        listing = list_keyframes(container, stream, label, allow_index=use_index)
+        require_keyframes(listing, label)
+        facts = ClipFacts(listing.total_num_frames, nominal_fps(stream))
+        num_frames = request.count(facts.total_num_frames, facts.duration)
+        if len(listing.keyframes) >= num_frames:
+            frames, indices, pts = keyframe_frames(container, stream, listing, num_frames, label)
+            extra = {"burst_mode": "keyframes", "decoded_frames": len(set(indices))}
+        else:
+            if listing.sorted_pts is None:  # the sample table has no presentation times: sweep once
+                listing = from_sweep(container, stream, label)
+                require_keyframes(listing, label)
+            stream.codec_context.thread_count = 1   # short runs: a thread pool's start-up and hand-offs cost more
+            targets = burst_targets([k.index for k in listing.keyframes], listing.total_num_frames, num_frames,
+                                    int(burst_step))
+            frames, indices, decoded, pts = frames_at(container, stream, listing, targets, label)
+            extra = {"burst_mode": "bursts", "burst_step": int(burst_step), "decoded_frames": decoded}
+        return stack_frames(frames, label), facts.metadata(NAME, indices, keyframe_source=listing.source,
+                                                            num_keyframes=len(listing.keyframes),
+                                                            frames_timestamps=pts_seconds(stream, pts), **extra)
+
+
+@VIDEO_LOADER_REGISTRY.register(NAME)
+class PyAVBurstLoader:
+    """Keyframes spread over the clip; where a keyframe would repeat, the frames right after it instead
+    (motion inside each temporal patch) at close to keyframe cost."""
+
+    options = {"fps": FPS_OPTION,
+               "burst_step": LoaderOption(int, "frames between a keyframe and each frame that replaces a repeat of it",
+                                          minimum=1),
+               "use_index": USE_INDEX_OPTION}
+
+    reads_file_objects = True   # URLs arrive as seekable range-reading files (batchjob.loaders.remote)
+
+    @classmethod
+    def load_bytes(cls, data: bytes, *, num_frames: int = 16, **kwargs) -> tuple[np.ndarray, dict]:
+        return load_burst(data, num_frames, **kwargs)
+
+    @classmethod
+    def load_path(cls, path: str | os.PathLike, *, num_frames: int = 16, **kwargs) -> tuple[np.ndarray, dict]:
+        return load_burst(os.fspath(path), num_frames, **kwargs)
+
+
+register_with_vllm(NAME, PyAVBurstLoader)

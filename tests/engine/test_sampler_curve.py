@@ -1,0 +1,63 @@
+"""scripts/sampler_curve.py: its table arithmetic on made-up tallies, and the whole script in --small mode (the
+packaged demo model, real clips) writing a results file the README's curve can be rebuilt from."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import sampler_curve  # noqa: E402
+
+
+def test_loader_specs_parse_options():
+    assert sampler_curve.parse_loader("opencv") == ("opencv", {})
+    assert sampler_curve.parse_loader("pyav_burst:burst_step=3,use_index=false") == (
+        "pyav_burst", {"burst_step": 3, "use_index": False})
+    assert sampler_curve.parse_loader("pyav_keyframes:fps=0.5") == ("pyav_keyframes", {"fps": 0.5})
+
+
+def test_summary_ratios_against_the_baselines_of_the_same_gop():
+    right = {("pyav_keyframes", "10s", "direction"): [True, False, False, False],
+             ("pyav_keyframes", "10s", "order"): [False, False],
+             ("opencv", "10s", "direction"): [True, True, True, False],
+             ("opencv", "10s", "order"): [True, False],
+             ("opencv", "10s", "colour"): [True] * 4}
+    ms = {("pyav_keyframes", "10s"): [10.0, 30.0, 20.0], ("opencv", "10s"): [200.0, 100.0, 400.0]}
+    rows = sampler_curve.summarise(right, ms, ["pyav_keyframes", "opencv"], ["10s"])
+    kf, cv = rows
+    assert kf["decode_ms"] == 20.0 and cv["decode_ms"] == 200.0 and cv["ms_vs_keyframes"] == 10.0
+    assert kf["direction"] == 0.25 and cv["direction"] == 0.75 and kf["direction_vs_opencv"] == pytest.approx(1 / 3)
+    assert kf["motion"] == pytest.approx(1 / 6) and cv["motion"] == pytest.approx(4 / 6)
+    assert kf["motion_vs_opencv"] == pytest.approx(0.25) and cv["motion_vs_opencv"] == 1.0
+    assert kf["colour"] is None and cv["colour"] == 1.0 and cv["colour_n"] == 4
+
+
+def test_model_time_scaling_keeps_the_loader_metadata():
+    meta = {"total_num_frames": 288, "fps": 24.0, "duration": 12.0, "frames_indices": [0, 5]}
+    told = sampler_curve.for_model(meta, 4.0)
+    assert told["fps"] == 72.0 and told["duration"] == 4.0 and told["frames_indices"] == [0, 5]
+    assert meta["fps"] == 24.0 and sampler_curve.for_model(meta, 0) is meta
+
+
+def test_small_run_writes_the_curve(tmp_path):
+    out = tmp_path / "curve.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "sampler_curve.py"), "--small", "--cache", str(tmp_path / "clips"),
+           "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "sampler_curve.py --small" in report["command"]
+    rows = report["rows"]
+    assert {(r["loader"], r["gop"]) for r in rows} == {(name, g) for name in sampler_curve.LOADERS
+                                                       for g in ("0.5s", "1key")}
+    for r in rows:
+        assert r["clips"] == 2 and r["colour_n"] == 2 and r["direction_n"] == 2 and 1 <= r["order_n"] <= 2
+        assert all(0 <= r[k] <= 1 for k in sampler_curve.KINDS) and r["decode_ms"] > 0
+        if r["loader"] == "pyav_keyframes":
+            assert r["ms_vs_keyframes"] == 1.0
+    assert "| 1key | pyav_burst |" in done.stdout

@@ -1,0 +1,153 @@
+"""pyav_burst: keyframes when they cover the request, else a few spread keyframes each with a short burst.
+
+Frames are checked against an independent full decode (conftest.full_decode) at the indices the loader
+reports, and against the frame counter drawn into each picture, on fresh random clips.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from batchjob.loaders import InvalidArgument, load_video
+from batchjob.loaders.picks import burst_targets
+from batchjob.loaders.registry import option_problems
+from batchjob.loaders.pyav_burst import PyAVBurstLoader
+from batchjob.synthetic.clips import make_clip, read_counter
+
+
+def reference_plan(keys: list[int], total: int, num_frames: int, step: int) -> list[int]:
+    """The documented placement, spelled out from the docstring (not imported): keyframe picks, repeats
+    replaced by the frames `step` apart after the keyframe, inside its GOP."""
+    if num_frames >= total:
+        return list(range(total))
+    k = len(keys)
+    if num_frames <= k:
+        picks = [int(p) for p in np.round(np.linspace(0, k - 1, num_frames))]
+    else:
+        picks = [int(np.floor((i + 0.5) * k / num_frames)) for i in range(num_frames)]
+    out = []
+    for i, p in enumerate(picks):
+        j = i - picks.index(p)                       # how many times this keyframe came before
+        m = picks.count(p)
+        room = (keys[p + 1] if p + 1 < k else total) - keys[p]
+        s = step if m < 2 else min(step, max(1, (room - 1) // (m - 1)))
+        out.append(keys[p] + min(j * s, room - 1))
+    return out
+
+
+def check_burst_plan(keys: list[int], total: int, num_frames: int, step: int, got: list[int]) -> None:
+    assert got == reference_plan(keys, total, num_frames, step)
+    assert len(got) == num_frames and got == sorted(got) and 0 <= got[0] and got[-1] < total
+    if len(set(got)) < len(got):   # repeats only when some anchor's stretch is shorter than its burst
+        assert num_frames > len(keys) and num_frames > 2
+
+
+def test_burst_plan_on_random_keyframe_layouts(rng):
+    for _ in range(400):
+        total = rng.randint(1, 900)
+        gaps = rng.choice([1, 2, 5, 12, 30, 120, 1000])
+        keys = sorted({0} | {rng.randrange(total) for _ in range(max(0, total // gaps))})
+        num_frames = rng.choice([1, 2, 3, 7, 8, 16, rng.randint(1, 40)])
+        step = rng.randint(1, 12)
+        got = burst_targets(keys, total, num_frames if num_frames <= total else total, step)
+        check_burst_plan(keys, total, min(num_frames, total), step, got)
+
+
+def test_burst_plan_examples():
+    assert burst_targets([0, 240], 480, 8, 6) == [0, 6, 12, 18, 240, 246, 252, 258]
+    assert burst_targets([0], 480, 8, 4) == [0, 4, 8, 12, 16, 20, 24, 28]
+    assert burst_targets([0, 160, 320], 480, 8, 2) == [0, 2, 4, 160, 162, 320, 322, 324]   # picks 0,0,0,1,1,2,2,2
+    assert burst_targets([0, 80, 160, 240, 320, 400], 480, 8, 2) == [0, 80, 82, 160, 240, 320, 322, 400]
+    assert burst_targets([0, 3], 10, 8, 6) == [0, 1, 2, 2, 3, 5, 7, 9]   # a GOP shorter than its share repeats
+    assert burst_targets(list(range(0, 480, 12)), 480, 8, 6) == [0, 72, 132, 204, 264, 336, 396, 468]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "6"])
+def test_bad_step_in_the_plan(bad):
+    with pytest.raises(ValueError, match="step"):
+        burst_targets([0], 100, 8, bad)
+
+
+def random_clip(tmp_path, rng, i: int, **fixed):
+    fps = rng.choice([10, 24, 30])
+    seconds = rng.uniform(0.4, 5.0)
+    spec = dict(seconds=seconds, fps=fps, width=rng.choice([64, 96, 128]), height=rng.choice([48, 64, 72]),
+                bframes=rng.choice([0, 1, 2, 3]), seed=rng.randrange(1000))
+    kind = rng.choice(["gop1", "short", "long", "single"])
+    if kind == "gop1":
+        spec["gop_seconds"] = 1 / fps
+    elif kind == "single":
+        spec["single_keyframe"] = True
+    else:
+        spec["gop_seconds"] = rng.uniform(0.2, 1.0) if kind == "short" else rng.uniform(1.5, 8.0)
+    spec.update(fixed)
+    return make_clip(tmp_path / f"clip{i}.mp4", **spec), spec
+
+
+def test_frames_equal_a_full_decode_on_random_clips(tmp_path, rng, expect):
+    """Varied GOPs (1 frame, short, long, one keyframe), B-frames or none, requests above and below the count."""
+    kinds = set()
+    for i in range(10):
+        info, spec = random_clip(tmp_path, rng, i, **({"single_keyframe": True} if i == 0 else
+                                                      {"gop_seconds": 1 / 10, "fps": 10} if i == 1 else {}))
+        ref = expect.full_decode(info.path)
+        total = len(ref.frames)
+        num_frames = rng.choice([rng.randint(1, 16), 8, total + rng.randint(0, 5)])
+        step = rng.randint(1, 10)
+        for use_index in (True, False):
+            frames, meta = load_video(info.path, backend="pyav_burst", num_frames=num_frames, burst_step=step,
+                                      use_index=use_index)
+            indices = meta["frames_indices"]
+            assert len(frames) == len(indices) == min(num_frames, total), spec
+            check_burst_plan(ref.keyframe_indices, total, min(num_frames, total), step, indices)
+            np.testing.assert_array_equal(frames, ref.at(indices))
+            assert [read_counter(f) for f in frames] == indices   # the drawn counter agrees, independently
+            assert meta["total_num_frames"] == total
+            tb = 1 / info.fps
+            np.testing.assert_allclose(meta["frames_timestamps"], [t * tb for t in indices],
+                                       atol=1e-6)
+            kinds.add(meta["burst_mode"])
+            if num_frames >= total:
+                assert indices == list(range(total)) and meta["do_sample_frames"] is True
+    assert "bursts" in kinds
+
+
+@pytest.mark.parametrize("name", ["hevc_bframes_mp4", "h264_open_gop_mp4", "mpeg4_bframes_mp4", "h264_bframes_mkv",
+                                  "vp9_webm", "h264_vfr", "h264_rot90", "h264_long_gop", "h264_single_keyframe"])
+def test_bursts_are_pixel_exact_on_every_codec(clips, rng, name):
+    """Open GOPs, B-frames, Matroska (sweep), VFR, rotation: burst frames equal a full decode."""
+    path, ref = clips(name)
+    num_frames = min(len(ref.frames) - 1, len(ref.keyframe_indices) + rng.randint(1, 8))
+    frames, meta = load_video(path, backend="pyav_burst", num_frames=num_frames, burst_step=rng.randint(1, 5))
+    assert meta["burst_mode"] == "bursts"
+    assert any(i not in ref.keyframe_indices for i in meta["frames_indices"])
+    np.testing.assert_array_equal(frames, ref.at(meta["frames_indices"]))
+
+
+def test_enough_keyframes_is_exactly_pyav_keyframes(clips, rng):
+    path, ref = clips("h264_dense")
+    num_frames = rng.randint(1, len(ref.keyframe_indices))
+    a, meta_a = load_video(path, backend="pyav_burst", num_frames=num_frames)
+    b, meta_b = load_video(path, backend="pyav_keyframes", num_frames=num_frames)
+    assert meta_a["burst_mode"] == "keyframes" and meta_a["frames_indices"] == meta_b["frames_indices"]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_cost_is_bounded_by_the_bursts_not_the_gop(tmp_path):
+    """A 20 s single-keyframe clip: the loader decodes about num_frames * step pictures, not 200."""
+    info = make_clip(tmp_path / "long.mp4", seconds=20, fps=10, single_keyframe=True, bframes=2, width=64,
+                     height=48)
+    frames, meta = load_video(info.path, backend="pyav_burst", num_frames=8, burst_step=3)
+    assert meta["frames_indices"] == [0, 3, 6, 9, 12, 15, 18, 21]
+    assert meta["decoded_frames"] <= 22 + 8   # the run, plus what B-frame reordering holds back
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "6"])
+def test_bad_burst_step_is_refused_clearly(clips, bad):
+    path, _ = clips("h264_single_keyframe")
+    with pytest.raises(InvalidArgument, match="burst_step") as info:
+        load_video(path, backend="pyav_burst", burst_step=bad)
+    assert path in str(info.value)
+    assert any(p.startswith("burst_step:") for p in option_problems(PyAVBurstLoader, {"burst_step": bad}))
+    assert option_problems(PyAVBurstLoader, {"burst_step": 4, "use_index": False}) == []
