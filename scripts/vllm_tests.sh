@@ -7,7 +7,7 @@
 #     design are listed with their reasons in tests/vllm/EXPECTED_DIFFERENCES.md.
 # Both run in a loopback-only network namespace (scripts/netns.sh), like the main tests.
 # Fails when any test fails. Extra arguments go to every pytest call. BATCHJOB_SUITE_LOADERS picks the
-# loaders for part 2 (default: all three); BATCHJOB_VLLM_OURS=0 skips part 1.
+# loaders for part 2 (default: all four); BATCHJOB_VLLM_OURS=0 skips part 1.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VLLM_VERSION="0.32.0"

@@ -2,7 +2,7 @@
 
 scripts/vllm_tests.sh unpacks tests/multimodal from vLLM's source package into a temporary directory and
 installs this file there as tests/conftest.py (vLLM's own top-level conftest needs its whole test stack).
-Every test runs once per loader in $BATCHJOB_SUITE_LOADERS (default: all three), with that loader in the
+Every test runs once per loader in $BATCHJOB_SUITE_LOADERS (default: all four), with that loader in the
 place of vLLM's default `opencv` loader: the one the tests load by name and that `VideoMediaIO` uses when
 no backend is named, i.e. where a user swaps in our loader. One session for all loaders: vLLM is
 imported once. Tests whose expectations differ by design, or that need what CI lacks (network), are
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-LOADERS = os.environ.get("BATCHJOB_SUITE_LOADERS", "pyav_keyframes pyav_adaptive batchjob_opencv").split()
+LOADERS = os.environ.get("BATCHJOB_SUITE_LOADERS", "pyav_keyframes pyav_adaptive pyav_burst batchjob_opencv").split()
 DIFFERENCES = Path(os.environ["BATCHJOB_SUITE_DIFFERENCES"])
 ROW = re.compile(r"^\|\s*(xfail|skip|once)\s*\|\s*([^|]+?)\s*\|\s*`([^`]+)`\s*\|\s*(.+?)\s*\|\s*$")
 _vllm_default: dict[str, type] = {}
