@@ -1,6 +1,6 @@
-"""End to end with the real MLX engine: `batchjob demo` (the trained demo model for Qwen2.5-VL, a tiny random
-checkpoint for Qwen3-VL; synthetic clips) through the CLI, then the rows checked against the classifier called
-directly on the same clips."""
+"""End to end with the real MLX engine: `batchjob demo --compare-loaders` (the trained demo models for Qwen2.5-VL
+and Qwen3-VL; synthetic clips) through the CLI, then the rows checked against the classifier called directly on
+the same clips, and the loader comparison against the job's own answers."""
 from __future__ import annotations
 
 import json
