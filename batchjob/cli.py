@@ -290,6 +290,12 @@ def report(output: Path = typer.Argument(..., help="a job's output directory (or
     rate = f"{s['rows_per_s']:.2f}" if s["rows_per_s"] else "n/a"
     out.print(f"errors {s['errors']}  |  loader {', '.join(s['loaders'])}  |  model {', '.join(s['models'])}  |  "
               f"{len(s['runs'])} run(s), {rate} rows/s", highlight=False)
+    if s.get("loader_comparison"):
+        from batchjob.loader_comparison import markdown_table, rows_from_json
+
+        c = s["loader_comparison"]
+        out.print(f"\nloaders side by side ({c.get('about', '')}):", highlight=False, markup=False)
+        out.print(markdown_table(rows_from_json(c)), highlight=False, markup=False)
 
 
 @app.command()
@@ -310,9 +316,16 @@ def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets 
                                                           "~/.cache/batchjob)"),
          clips: int = typer.Option(16, min=1, help="number of synthetic clips (3 or 4 questions each)"),
          model_type: str = typer.Option("qwen2_5_vl", help="tiny model family: qwen2_5_vl, qwen3_vl or "
-                                                           "qwen3_vl_moe")) -> None:
+                                                           "qwen3_vl_moe"),
+         compare_loaders: bool = typer.Option(False, "--compare-loaders", help="then decode the demo's clips with "
+                                              "each loader (pyav_keyframes, pyav_adaptive, opencv) and compare "
+                                              "accuracy per question kind x GOP kind and decode ms per clip")) -> None:
     """Run the whole pipeline on synthetic clips with the tiny demo model trained on such clips (built locally)."""
     from batchjob.demo import build_demo, is_trained
+
+    if compare_loaders and not is_trained(model_type):
+        raise typer.BadParameter(f"{model_type} has no trained demo model: its loader comparison would be chance",
+                                 param_hint="--compare-loaders")
 
     if model_type not in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         raise typer.BadParameter(f"{model_type!r}: choose qwen2_5_vl, qwen3_vl or qwen3_vl_moe",
@@ -324,6 +337,15 @@ def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets 
     err.print(f"running {config}")
     _run(config, limit=None, output=None, restart=True, ray_address=None)
     output = "output" if model_type == "qwen2_5_vl" else f"output-{model_type}"
+    if compare_loaders:
+        from batchjob.demo import COMPARISON, compare_demo_loaders
+        from batchjob.loader_comparison import markdown_table
+
+        err.print("comparing loaders on the demo's clips (in this process)...")
+        out.print(markdown_table(compare_demo_loaders(config, model_type)), highlight=False, markup=False)
+        page = config.parent / output / f"{COMPARISON}.html"
+        if page.exists():
+            out.print(f"loader comparison page: {page}", highlight=False)
     out.print(f"results: batchjob report {config.parent / output}", highlight=False)
 
 

@@ -112,6 +112,38 @@ def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 16, mode
     return config
 
 
+COMPARISON = "loader_comparison"      # .json / .html inside the demo's output directory (`batchjob report` shows it)
+
+
+def compare_demo_loaders(config: Path, model_type: str = "qwen2_5_vl", loaders: tuple[str, ...] | None = None):
+    """The demo's clips decoded by each loader and answered by the demo model in this process
+    (`batchjob.loader_comparison`); the table and (with plotly installed) its page are written into the demo
+    job's output directory. Returns the rows."""
+    from batchjob.config import load_config
+    from batchjob.demo_model import RECIPES
+    from batchjob.engine import Classifier
+    from batchjob.loader_comparison import LOADERS, compare_loaders, html_page, to_json
+
+    cfg = load_config(config)
+    root = Path(config).parent
+    records = [json.loads(line) for line in (root / "manifest.jsonl").read_text().splitlines() if line.strip()]
+    if model_type not in RECIPES or not is_trained(model_type):
+        raise ValueError(f"{model_type}: no trained demo model, so a loader comparison would compare chance; "
+                         f"use one of {', '.join(RECIPES)}")
+    classifier = Classifier.from_pretrained(cfg.model.checkpoint, RECIPES[model_type].engine_config)
+    rows = compare_loaders(root / "clips", records, classifier, cfg.loader.num_frames, loaders or LOADERS)
+    out = Path(cfg.output.directory)
+    out.mkdir(parents=True, exist_ok=True)
+    clips = len({r["video"] for r in records})
+    about = f"{clips} demo clips, {cfg.loader.num_frames} frames, the {model_type} demo model (in process, this machine)"
+    (out / f"{COMPARISON}.json").write_text(to_json(rows, about=about, model_type=model_type))
+    try:
+        (out / f"{COMPARISON}.html").write_text(html_page(rows, "batchjob demo: loaders side by side", about))
+    except ImportError:           # plotly is the report extra's
+        pass
+    return rows
+
+
 def build_synthetic_dataset(root: str | os.PathLike, *, num_clips: int, questions_per_clip: int = 3,
                             seconds: tuple[float, float] = (1.0, 4.0), widths: tuple[int, ...] = (64, 96, 128),
                             fps: float = 10.0, gop_seconds: float = 1.0,

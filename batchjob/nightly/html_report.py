@@ -25,7 +25,7 @@ th{background:#f3f3f3} td.l,th.l{text-align:left}
 """
 
 
-def _e(x: Any) -> str:
+def esc(x: Any) -> str:
     return html.escape("" if x is None else str(x))
 
 
@@ -33,11 +33,11 @@ def _num(x: float | None, spec: str = ".4f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def _table(headers: list[str], rows: list[list[Any]], left: int = 1, cls: str = "", text_last: bool = False) -> str:
+def table(headers: list[str], rows: list[list[Any]], left: int = 1, cls: str = "", text_last: bool = False) -> str:
     """Cells are HTML already (escaped by the caller); the first `left` columns (and a text last one) align left."""
     def align(i: int) -> str:
         return "l" if i < left or (text_last and i == len(headers) - 1) else ""
-    head = "".join(f'<th class="{align(i)}">{_e(h)}</th>' for i, h in enumerate(headers))
+    head = "".join(f'<th class="{align(i)}">{esc(h)}</th>' for i, h in enumerate(headers))
     body = "".join("<tr>" + "".join(f'<td class="{align(i)}">{c}</td>' for i, c in enumerate(r)) + "</tr>"
                    for r in rows)
     return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
@@ -75,48 +75,46 @@ def _diff_section(job: str, diff: OutputDiff, labels: str = "ABCDEFGHIJ") -> str
     rows = []
     for ch in diff.changed[:MAX_CHANGED_ROWS]:
         letter = lambda i: "-" if i is None else labels[i] if i < len(labels) else str(i)  # noqa: E731
-        rows.append([_e(ch.row_id), _e(ch.category), _e(ch.question), _e(letter(ch.answer)),
-                     _e(letter(ch.before)), _e(letter(ch.after)), _probs(ch.before_probs, ch.before),
+        rows.append([esc(ch.row_id), esc(ch.category), esc(ch.question), esc(letter(ch.answer)),
+                     esc(letter(ch.before)), esc(letter(ch.after)), _probs(ch.before_probs, ch.before),
                      _probs(ch.after_probs, ch.after)])
     more = (f'<p class="muted">{len(diff.changed) - MAX_CHANGED_ROWS} more; `batchjob diff --last --json` lists '
             "all</p>" if len(diff.changed) > MAX_CHANGED_ROWS else "")
-    head = (f"<h3>{_e(job)}: {len(diff.changed)} changed answer(s), {len(diff.became_errors)} new error(s), "
+    head = (f"<h3>{esc(job)}: {len(diff.changed)} changed answer(s), {len(diff.became_errors)} new error(s), "
             f"{len(diff.recovered)} recovered, {len(diff.new_rows)} new row(s), {len(diff.removed_rows)} removed</h3>"
-            f'<p class="muted">{_e(diff.before)} &rarr; {_e(diff.after)}; accuracy on shared rows '
+            f'<p class="muted">{esc(diff.before)} &rarr; {esc(diff.after)}; accuracy on shared rows '
             f"{_num(diff.common_accuracy_before)} &rarr; {_num(diff.common_accuracy_after)}</p>")
     if not rows:
         return head
-    return head + _table(["row id", "category", "question", "answer", "before", "after", "before probs",
+    return head + table(["row id", "category", "question", "answer", "before", "after", "before probs",
                           "after probs"], rows, left=3, cls="changed") + more
 
 
 def render_report(name: str, source: str, history: History, diffs: dict[str, OutputDiff],
                   previous: dict[str, RunRecord | None]) -> str:
     """The whole page. `diffs`: per job, its last two outputs compared; `previous`: the baseline runs."""
-    from plotly.offline import get_plotlyjs
-
     recs = history.records
     last_night = recs[-1].night if recs else None
     last = [r for r in recs if r.night == last_night]
     latest = {r.job: r for r in last}
-    parts = [f"<h1>batchjob nightly: {_e(name)}</h1>",
-             f'<p class="muted">{_e(source)}; generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; '
+    parts = [f"<h1>batchjob nightly: {esc(name)}</h1>",
+             f'<p class="muted">{esc(source)}; generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; '
              f"{len(recs)} job run(s) over {len({r.night for r in recs})} night(s)</p>"]
     if not recs:
         parts.append("<p>No runs recorded yet: run <code>batchjob nightly</code> first.</p>")
     else:
         failed = any(r.failed for r in latest.values())
-        parts.append(f"<h2>Last night: {_e(last_night)} "
+        parts.append(f"<h2>Last night: {esc(last_night)} "
                      f"{'<span class=fail>FAILED</span>' if failed else '<span class=ok>ok</span>'}</h2>")
         rows = []
         for r in latest.values():
             prev = previous.get(r.job)
             delta = (r.accuracy - prev.accuracy) if prev and prev.accuracy is not None and r.accuracy is not None \
                 else None
-            rows.append([_e(r.job), _status(r), _e(r.exit_status), _num(r.accuracy),
-                         _num(delta, "+.4f"), _e(r.rows_answered), _e(r.error_rows), _num(r.rows_per_s, ".2f"),
-                         _e(r.model_hash or "-"), _e("; ".join(r.alerts) or "-")])
-        parts.append(_table(["job", "status", "exit", "accuracy", "vs previous", "answered", "errors", "rows/s",
+            rows.append([esc(r.job), _status(r), esc(r.exit_status), _num(r.accuracy),
+                         _num(delta, "+.4f"), esc(r.rows_answered), esc(r.error_rows), _num(r.rows_per_s, ".2f"),
+                         esc(r.model_hash or "-"), esc("; ".join(r.alerts) or "-")])
+        parts.append(table(["job", "status", "exit", "accuracy", "vs previous", "answered", "errors", "rows/s",
                              "model hash", "alerts"], rows, cls="last-night", text_last=True))
         parts.append('<h2>Over the nights</h2>')
         parts.append(f'<div class="chart">{_chart("chart-accuracy", "Accuracy per job", "accuracy", _series(history, "accuracy"))}</div>')
@@ -127,21 +125,28 @@ def render_report(name: str, source: str, history: History, diffs: dict[str, Out
             crow = []
             for cat, v in sorted(r.per_category.items()):
                 before = prev.per_category.get(cat, {}).get("accuracy") if prev else None
-                crow.append([_e(cat), _e(int(v["n"])), _num(v["accuracy"]), _num(before),
+                crow.append([esc(cat), esc(int(v["n"])), _num(v["accuracy"]), _num(before),
                              _num(None if before is None else v["accuracy"] - before, "+.4f")])
-            parts.append(f"<h3>{_e(r.job)}</h3>" + _table(["category", "n", "accuracy", "previous", "delta"], crow,
+            parts.append(f"<h3>{esc(r.job)}</h3>" + table(["category", "n", "accuracy", "previous", "delta"], crow,
                                                           cls="per-category"))
         parts.append("<h2>Changed answers (last two outputs of each job)</h2>")
         for job in latest:
             parts.append(_diff_section(job, diffs[job]) if job in diffs else
-                         f"<h3>{_e(job)}</h3><p class=muted>no earlier output to compare with (a job without "
+                         f"<h3>{esc(job)}</h3><p class=muted>no earlier output to compare with (a job without "
                          "{date} in output.directory grows one dataset: each row is answered once)</p>")
-        hist_rows = [[_e(r.night), _e(r.job), _status(r), _num(r.accuracy), _e(r.rows_answered), _e(r.error_rows),
-                      _num(r.rows_per_s, ".2f"), _e(r.started_at.strftime("%Y-%m-%d %H:%M:%S")), _e(r.host)]
+        hist_rows = [[esc(r.night), esc(r.job), _status(r), _num(r.accuracy), esc(r.rows_answered), esc(r.error_rows),
+                      _num(r.rows_per_s, ".2f"), esc(r.started_at.strftime("%Y-%m-%d %H:%M:%S")), esc(r.host)]
                      for r in reversed(recs[-60:])]
-        parts.append("<h2>History (newest first)</h2>" + _table(
+        parts.append("<h2>History (newest first)</h2>" + table(
             ["night", "job", "status", "accuracy", "answered", "errors", "rows/s", "started (UTC)", "host"],
             hist_rows, left=2, cls="history"))
+    return page(f"batchjob nightly {name}", "".join(parts))
+
+
+def page(title: str, body: str) -> str:
+    """A whole self-contained page around `body` (HTML already): the report's style, plotly.js embedded once."""
+    from plotly.offline import get_plotlyjs
+
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>batchjob nightly {_e(name)}</title><style>{CSS}</style>"
-            f"<script>{get_plotlyjs()}</script></head><body>{''.join(parts)}</body></html>\n")
+            f"<title>{esc(title)}</title><style>{CSS}</style>"
+            f"<script>{get_plotlyjs()}</script></head><body>{body}</body></html>\n")

@@ -6,6 +6,7 @@ each run's start to its last finished row.
 """
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ def summarize(directory: str | Path) -> dict[str, Any]:
         r["started"], r["last"] = r["started"].isoformat(), r["last"].isoformat()
     total_s = sum(r["seconds"] for r in runs.values())
     meta = read_file_metadata(directory)
+    comparison = Path(directory) / "loader_comparison.json"      # written by `batchjob demo --compare-loaders`
     return {
         "output": str(directory),
         "job": meta.get("job"),
@@ -48,4 +50,5 @@ def summarize(directory: str | Path) -> dict[str, Any]:
         "models": sorted({x for x in cols["model"] if x}),
         "runs": sorted(runs.values(), key=lambda r: r["started"]),
         "rows_per_s": n / total_s if total_s > 0 else None,
+        "loader_comparison": json.loads(comparison.read_text()) if comparison.is_file() else None,
     }

@@ -169,8 +169,8 @@ def random_scene(rng: np.random.Generator, aspect: float = 16 / 9, *, order: boo
             moves[int(rng.integers(1, n))] = True
         elif order is False:
             moves = [True] + [False] * (n - 1)
-        order = [int(i) for i in rng.permutation([i for i, m in enumerate(moves) if m])]
-        windows = dict(zip(order, _windows(rng, len(order))))
+        starts = [int(i) for i in rng.permutation([i for i, m in enumerate(moves) if m])]  # who moves when
+        windows = dict(zip(starts, _windows(rng, len(starts))))
         shapes = [_shape(rng, colours[i], sizes[i], windows.get(i), aspect) for i in range(n)]
         if all(_apart(a, b, aspect) for i, a in enumerate(shapes) for b in shapes[i + 1:]):
             tint = rng.integers(-12, 13, size=3)

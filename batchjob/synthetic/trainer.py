@@ -57,7 +57,7 @@ class Batch:
     option_ids: np.ndarray     # int32 [B, most options] (padded with the first id)
     option_mask: np.ndarray    # bool [B, most options]
     answers: np.ndarray        # int32 [B]
-    weights: np.ndarray        # float32 [B]: 1 for a question, 0 for a padding row
+    weights: np.ndarray        # float32 [B]: the question's kind weight (default 1), 0 for a padding row
     kinds: tuple[str, ...]     # one per question (padding rows have none)
 
     def arrays(self) -> tuple[mx.array, ...]:
@@ -91,8 +91,9 @@ class EnginePrep:
                        tuple(self.prompts.option_token_ids(len(question.options))), question.answer, question.kind)
 
     def batch(self, clips: Sequence[VideoInputs], examples: Sequence[Example], size: int | None = None,
-              width: int | None = None, most: int | None = None) -> Batch:
-        """Pad to `size` rows of `width` tokens and `most` options (defaults: what `examples` need)."""
+              width: int | None = None, most: int | None = None, kind_weights: dict[str, float] | None = None) -> Batch:
+        """Pad to `size` rows of `width` tokens and `most` options (defaults: what `examples` need); a question's
+        loss weighs `kind_weights[kind]` (default 1)."""
         video_id = self.family.video_token_id
         starts = np.concatenate([[0], np.cumsum([c.num_tokens for c in clips])])
         real = len(examples)
@@ -125,7 +126,8 @@ class EnginePrep:
             option_ids=options.astype(np.int32),
             option_mask=np.arange(most)[None, :] < np.array([len(e.option_ids) for e in examples])[:, None],
             answers=np.array([e.answer for e in examples], np.int32),
-            weights=(np.arange(size) < real).astype(np.float32),
+            weights=np.array([(kind_weights or {}).get(e.kind, 1.0) if b < real else 0.0
+                              for b, e in enumerate(examples)], np.float32),
             kinds=tuple(e.kind for e in examples[:real]))
 
 
@@ -199,7 +201,7 @@ def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None
 
 
 def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_frames: int,
-                 one_question: bool = True) -> Batch:
+                 one_question: bool = True, kind_weights: dict[str, float] | None = None) -> Batch:
     """`clips` fresh clips and questions about them: with `one_question`, one question per clip, the kinds in
     turn (each kind equally often; a clip asked the order question has two or more movers); otherwise every
     question each clip supports (every other clip with two or more movers). The prompt, not the video, is
@@ -219,15 +221,15 @@ def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_fra
     width = max(len(prep.example(0, inputs[0], Question(kind, text, options, 0)).token_ids)
                 for kind, (text, options) in QUESTIONS.items())
     return prep.batch(inputs, examples, size=clips if one_question else len(KINDS) * clips, width=width,
-                      most=max(len(options) for _, options in QUESTIONS.values()))
+                      most=max(len(options) for _, options in QUESTIONS.values()), kind_weights=kind_weights)
 
 
 def _produce(queue, checkpoint: str, config: EngineConfig, seed: int, clips: int, num_frames: int, count: int,
-             one_question: bool):
+             one_question: bool, kind_weights: dict[str, float] | None):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     prep, rng, parent = EnginePrep(checkpoint, config), np.random.default_rng(seed), os.getppid()
     for _ in range(count):
-        batch = sample_batch(prep, rng, clips, num_frames, one_question)
+        batch = sample_batch(prep, rng, clips, num_frames, one_question, kind_weights)
         while True:
             try:
                 queue.put(batch, timeout=5)
@@ -238,13 +240,13 @@ def _produce(queue, checkpoint: str, config: EngineConfig, seed: int, clips: int
 
 
 def batch_stream(checkpoint: str | Path, config: EngineConfig, seed: int, clips: int, num_frames: int,
-                 count: int, one_question: bool = True) -> Iterator[Batch]:
+                 count: int, one_question: bool = True, kind_weights: dict[str, float] | None = None) -> Iterator[Batch]:
     """`count` batches from `np.random.default_rng(seed)`, made by one worker process while the caller trains
     (the same batches, in the same order, as `sample_batch` calls in a loop)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue(maxsize=4)
-    worker = ctx.Process(target=_produce, args=(queue, str(checkpoint), config, seed, clips, num_frames, count, one_question),
-                         daemon=True)
+    worker = ctx.Process(target=_produce, daemon=True, args=(queue, str(checkpoint), config, seed, clips, num_frames,
+                                                             count, one_question, kind_weights))
     worker.start()
     try:
         for _ in range(count):

@@ -94,8 +94,9 @@ def test_committed_checkpoint_matches_its_training_record(model_type):
     assert record["command"].startswith("scripts/train_demo_model.py")
     assert ("--model-type qwen3_vl" in record["command"]) == (model_type == "qwen3_vl")
     assert set(record["accuracy"]) == {"colour", "count", "direction", "order"}
-    chance = {"colour": 0.25, "count": 1 / 3, "direction": 0.5, "order": 0.5}
-    assert all(record["accuracy"][k] > chance[k] + 0.3 for k in chance), record["accuracy"]
+    # issue 20's bar on fresh clips of the training distribution, measured on enough clips to mean it (1200 clips:
+    # 1200 questions per kind, 600 order questions; a standard error under 1%)
+    assert record["eval_clips"] >= 1200 and all(v >= 0.95 for v in record["accuracy"].values()), record["accuracy"]
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])

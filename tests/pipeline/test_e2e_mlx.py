@@ -1,6 +1,6 @@
-"""End to end with the real MLX engine: `batchjob demo` (the trained demo model for Qwen2.5-VL, a tiny random
-checkpoint for Qwen3-VL; synthetic clips) through the CLI, then the rows checked against the classifier called
-directly on the same clips."""
+"""End to end with the real MLX engine: `batchjob demo --compare-loaders` (the trained demo models for Qwen2.5-VL
+and Qwen3-VL; synthetic clips) through the CLI, then the rows checked against the classifier called directly on
+the same clips, and the loader comparison against the job's own answers."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,30 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.slow]   # each starts Ray (12-20 s on a busy 2-core machine)
 
 
+def _check_loader_comparison(output, records, rows, summary, stdout):
+    """`--compare-loaders`: every loader x GOP kind in the table, printed and in `batchjob report`; its
+    pyav_adaptive row (decoded and answered in process) equals the job's own answers (Ray, decoders, engine)
+    on the same clips, which were read by pyav_adaptive too."""
+    from pathlib import Path
+
+    table = json.loads((output / "loader_comparison.json").read_text())
+    got = {(r["loader"], r["gop"]): r for r in table["rows"]}
+    assert set(got) == {(lo, g) for lo in ("pyav_keyframes", "pyav_adaptive", "opencv") for g in ("gop0.5s", "1key")}
+    assert summary["loader_comparison"]["rows"] == table["rows"]
+    assert (output / "loader_comparison.html").is_file()
+    assert all(f"| {lo} | {g} |" in stdout for lo, g in got), stdout
+    gop = {r["video"]: r["gop"] for r in records}
+    for g in ("gop0.5s", "1key"):
+        for kind, acc in got[("pyav_adaptive", g)]["accuracy"].items():
+            mine = [r["correct"] for r in rows if gop[Path(r["video"]).name] == g and r["category"] == kind]
+            assert acc == (pytest.approx(sum(mine) / len(mine)) if mine else None), (g, kind)
+        assert got[("pyav_adaptive", g)]["clips"] == len({v for v, k in gop.items() if k == g})
+
+
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
 def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isolated_network):
-    res = h.run_cli("demo", "--cache", str(tmp_path), "--clips", "6", "--model-type", model_type, timeout=600)
+    res = h.run_cli("demo", "--cache", str(tmp_path), "--clips", "6", "--model-type", model_type,
+                    "--compare-loaders", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = " ".join(res.stdout.split())   # the table wraps long cells
     assert "memory budget" in summary and "auto: 75% of RAM, less" in summary and "KV" in summary, res.stdout
@@ -50,6 +71,7 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
     assert s["accuracy"] == pytest.approx(sum(r["correct"] for r in rows) / len(rows))
     assert s["rows"] == len(records) and s["errors"] == 0 and s["loaders"] == ["pyav_adaptive"]
     assert set(s["per_category"]) == {"colour", "count", "direction", "order"}
+    _check_loader_comparison(root / f"output{suffix}", records, rows, s, res.stdout)
     cells = " ".join(res.stdout.replace("│", " ").split())
     for cat, v in s["per_category"].items():      # the run summary prints the same per category
         assert f"{cat} {v['accuracy']:.4f} over {v['n']} rows" in cells, (cat, res.stdout)
