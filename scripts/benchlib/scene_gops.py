@@ -10,6 +10,7 @@ leaves a torn one.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -37,9 +38,13 @@ class ScenePlan:
     gops: tuple[float, ...]
     seed: int
 
-    def name(self, scene: int, gop: float) -> str:
+    def name(self, index: int, gop: float, scene) -> str:
+        """The cached file's name: the plan, and a digest of the scene itself, so a change to how scenes are
+        drawn (the same seed giving other scenes) encodes new files instead of pairing old videos with new
+        answers."""
+        digest = hashlib.sha256(repr(scene).encode()).hexdigest()[:10]
         return (f"scene-{self.width}x{self.height}-{self.seconds:g}s-{self.fps}fps-n{NOISE:g}-crf{CRF}-seed{self.seed}-"
-                f"{scene:03d}-gop{gop_label(gop)}.mp4")
+                f"{index:03d}-{digest}-gop{gop_label(gop)}.mp4")
 
 
 def _open_encoder(path: Path, plan: ScenePlan, gop_seconds: float, frames: int):
@@ -62,7 +67,7 @@ def encode_scene(folder: Path, plan: ScenePlan, index: int, scene) -> None:
 
     from batchjob.synthetic.scenes import background, render
 
-    paths = [folder / plan.name(index, g) for g in plan.gops]
+    paths = [folder / plan.name(index, g, scene) for g in plan.gops]
     if all(p.exists() for p in paths):
         return
     frames = int(round(plan.seconds * plan.fps))
@@ -105,7 +110,7 @@ def build_scene_set(folder: Path, plan: ScenePlan, count: int, workers: int = 1)
     rng = np.random.default_rng(plan.seed)
     scenes = [random_scene(rng, plan.width / plan.height, order=bool(i % 2)) for i in range(count)]
     jobs = [(folder, plan, i, scene) for i, scene in enumerate(scenes)
-            if not all((folder / plan.name(i, g)).exists() for g in plan.gops)]
+            if not all((folder / plan.name(i, g, scene)).exists() for g in plan.gops)]
     if workers > 1 and len(jobs) > 1:
         import multiprocessing
 
@@ -118,7 +123,7 @@ def build_scene_set(folder: Path, plan: ScenePlan, count: int, workers: int = 1)
     for i, scene in enumerate(scenes):
         for gop in plan.gops:
             for q in questions_for(scene):
-                records.append({"id": f"{i:03d}-{gop_label(gop)}-{q.kind}", "video": plan.name(i, gop),
+                records.append({"id": f"{i:03d}-{gop_label(gop)}-{q.kind}", "video": plan.name(i, gop, scene),
                                 "gop": gop_label(gop), "scene": i, "question": q.text, "options": list(q.options),
                                 "answer": q.answer, "category": q.kind})
     return records
