@@ -38,12 +38,12 @@ def _read_table(path: Path) -> list[dict[str, Any]]:
 
     try:
         if path.suffix.lower() == ".parquet":
-            return pq.read_table(path).to_pylist()
+            return pq.ParquetFile(path).read(use_threads=False).to_pylist()   # no dataset scanner (see output.read_conformed)
         if path.is_dir():  # a directory of parquet shards, as the hub ships NExTQA's MC split
             shards = sorted(path.glob("*.parquet"))
             if not shards:
                 raise DatasetError(f"{path}: directory holds no .parquet files")
-            return [r for s in shards for r in pq.read_table(s).to_pylist()]
+            return [r for s in shards for r in pq.ParquetFile(s).read(use_threads=False).to_pylist()]
         return pacsv.read_csv(path).to_pylist()
     except DatasetError:
         raise

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchjob.pipeline.output import atomic_write
+from batchjob.pipeline.output import atomic_write, read_conformed
 
 RECORDS = "runs"           # the dataset folder inside the history folder
 RECORD_GLOB = "run-*.parquet"
@@ -123,7 +123,7 @@ def read_history(history: str | Path) -> History:
     records, bad = [], []
     for path in sorted(folder.glob(RECORD_GLOB)) if folder.is_dir() else []:
         try:
-            records.extend(_from_row(row) for row in pq.read_table(path, schema=SCHEMA).to_pylist())
+            records.extend(_from_row(row) for row in read_conformed(path, SCHEMA).to_pylist())
         except Exception as err:     # damaged by something outside batchjob: report it, keep the rest readable
             bad.append(f"{path}: {type(err).__name__}: {err}")
     records.sort(key=lambda r: (r.started_at, r.job))
