@@ -28,11 +28,12 @@ def build_scene_clips(root: Path, num_clips: int, seed: int = 0,
                       gop_kinds: tuple[str, ...] = tuple(GOP_KINDS)) -> list[dict]:
     """Encode `num_clips` scenes (GOP kinds in turn by pairs, every other clip with two or more movers) under `root`
     and return the manifest records: one per question the scene supports, `category` = the question kind,
-    `gop` = the clip's GOP kind. Clips already there (same name) are kept: names carry the seed."""
+    `gop` = the clip's GOP kind. Clips already there (same name) are kept: names carry the seed and a digest of
+    the scene and its encoding, so a cache made by another version's scenes is never reused."""
     import numpy as np
 
     from batchjob.synthetic.clips import make_scene_clip
-    from batchjob.synthetic.scenes import questions_for, random_scene
+    from batchjob.synthetic.scenes import clip_digest, questions_for, random_scene
     from batchjob.synthetic.trainer import CLIP_SIZE, FPS, SECONDS
 
     root.mkdir(parents=True, exist_ok=True)
@@ -44,7 +45,8 @@ def build_scene_clips(root: Path, num_clips: int, seed: int = 0,
         scene = random_scene(rng, width / height, order=bool(i % 2))
         seconds = round(float(rng.uniform(*SECONDS)) * FPS) / FPS
         clip_seed = int(rng.integers(2**31))
-        name = f"s{seed}-clip{i:03d}-{gop}.mp4"
+        digest = clip_digest(scene, seconds, FPS, width, height, clip_seed, GOP_KINDS[gop])
+        name = f"s{seed}-clip{i:03d}-{gop}-{digest}.mp4"
         if not (root / name).exists():
             tmp = root / f".{name}"
             make_scene_clip(tmp, scene, seconds=seconds, fps=FPS, width=width, height=height, seed=clip_seed,

@@ -16,6 +16,7 @@ to see, not to match option text, and a wrong answer is a wrong look at the vide
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,13 @@ class Scene:
         if len(self.movers) >= 2:
             out["order"] = self.movers[0].colour
         return out
+
+
+def clip_digest(scene: Scene, *encoding) -> str:
+    """A short name for what a cached clip shows: the scene and how it was encoded (length, size, GOP, noise
+    seed...). Caches named by a seed alone pair old videos with new answers once a change to how scenes are
+    drawn makes the same seed draw other scenes."""
+    return hashlib.sha256(repr((scene, encoding)).encode()).hexdigest()[:10]
 
 
 @dataclass(frozen=True)

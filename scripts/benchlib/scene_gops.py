@@ -10,7 +10,6 @@ leaves a torn one.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -42,7 +41,9 @@ class ScenePlan:
         """The cached file's name: the plan, and a digest of the scene itself, so a change to how scenes are
         drawn (the same seed giving other scenes) encodes new files instead of pairing old videos with new
         answers."""
-        digest = hashlib.sha256(repr(scene).encode()).hexdigest()[:10]
+        from batchjob.synthetic.scenes import clip_digest
+
+        digest = clip_digest(scene)       # the plan's own values are in the name already
         return (f"scene-{self.width}x{self.height}-{self.seconds:g}s-{self.fps}fps-n{NOISE:g}-crf{CRF}-seed{self.seed}-"
                 f"{index:03d}-{digest}-gop{gop_label(gop)}.mp4")
 
