@@ -17,16 +17,17 @@ A packet the decoder refuses is skipped: the clip fails only if a frame it retur
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import numpy as np
 
 from batchjob.loaders.errors import InvalidArgument
-from batchjob.loaders.keyframes import USE_INDEX_OPTION, from_sweep, list_keyframes
-from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, pts_seconds,
-                                   stack_frames)
+from batchjob.loaders.keyframes import USE_INDEX_OPTION
+from batchjob.loaders.media import Source, describe
+from batchjob.loaders.picks import fill_targets
 from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY, LoaderOption
 from batchjob.loaders.request import FPS_OPTION, FrameRequest
-from batchjob.loaders.sampling import exact_frames, keyframe_frames, require_keyframes
+from batchjob.loaders.sampling import keyframes_or_exact
 from batchjob.loaders.vllm_bridge import register_with_vllm
 
 NAME = "pyav_adaptive"
@@ -40,24 +41,8 @@ def load_adaptive(source: Source, num_frames: int = 16, *, fps: float = -1, fram
     request = FrameRequest.parse(label, NAME, num_frames, fps, frame_recovery)
     if isinstance(max_decoded_frames, bool) or not isinstance(max_decoded_frames, int) or max_decoded_frames < 1:
         raise InvalidArgument(label, f"max_decoded_frames must be a positive integer, got {max_decoded_frames!r}")
-    with ffmpeg_errors(label), open_video(source, label) as (container, stream):
-        listing = list_keyframes(container, stream, label, allow_index=use_index)
-        require_keyframes(listing, label)
-        facts = ClipFacts(listing.total_num_frames, nominal_fps(stream))
-        num_frames = request.count(facts.total_num_frames, facts.duration)
-        if len(listing.keyframes) >= num_frames:
-            frames, indices, pts = keyframe_frames(container, stream, listing, num_frames, label)
-            extra = {"adaptive_mode": "keyframes", "decoded_frames": len(set(indices))}
-        else:
-            if listing.sorted_pts is None:  # the sample table has no presentation times: sweep once
-                listing = from_sweep(container, stream, label)
-                require_keyframes(listing, label)
-            frames, indices, decoded, pts = exact_frames(container, stream, listing, num_frames,
-                                                         max_decoded_frames, label)
-            extra = {"adaptive_mode": "fill", "decoded_frames": decoded}
-        return stack_frames(frames, label), facts.metadata(NAME, indices, keyframe_source=listing.source,
-                                                            num_keyframes=len(listing.keyframes),
-                                                            frames_timestamps=pts_seconds(stream, pts), **extra)
+    return keyframes_or_exact(source, label, NAME, request, use_index=use_index, mode_key="adaptive_mode",
+                              fill_mode="fill", targets=partial(fill_targets, max_decoded_frames=max_decoded_frames))
 
 
 @VIDEO_LOADER_REGISTRY.register(NAME)

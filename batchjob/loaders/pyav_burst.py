@@ -20,17 +20,17 @@ exactly, forward from its keyframe). How many frames: as vLLM's uniform loader c
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import numpy as np
 
 from batchjob.loaders.errors import InvalidArgument
-from batchjob.loaders.keyframes import USE_INDEX_OPTION, from_sweep, list_keyframes
-from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, pts_seconds,
-                                    stack_frames)
+from batchjob.loaders.keyframes import USE_INDEX_OPTION
+from batchjob.loaders.media import Source, describe
 from batchjob.loaders.picks import burst_targets
 from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY, LoaderOption
 from batchjob.loaders.request import FPS_OPTION, FrameRequest
-from batchjob.loaders.sampling import frames_at, keyframe_frames, require_keyframes
+from batchjob.loaders.sampling import keyframes_or_exact
 from batchjob.loaders.vllm_bridge import register_with_vllm
 
 NAME = "pyav_burst"
@@ -45,26 +45,10 @@ def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_r
     if isinstance(burst_step, bool) or not isinstance(burst_step, (int, np.integer)) or burst_step < 1:
         raise InvalidArgument(label, f"burst_step must be a positive integer (frames between a keyframe and the "
                                      f"frames after it), got {burst_step!r}")
-    with ffmpeg_errors(label), open_video(source, label) as (container, stream):
-        listing = list_keyframes(container, stream, label, allow_index=use_index)
-        require_keyframes(listing, label)
-        facts = ClipFacts(listing.total_num_frames, nominal_fps(stream))
-        num_frames = request.count(facts.total_num_frames, facts.duration)
-        if len(listing.keyframes) >= num_frames:
-            frames, indices, pts = keyframe_frames(container, stream, listing, num_frames, label)
-            extra = {"burst_mode": "keyframes", "decoded_frames": len(set(indices))}
-        else:
-            if listing.sorted_pts is None:  # the sample table has no presentation times: sweep once
-                listing = from_sweep(container, stream, label)
-                require_keyframes(listing, label)
-            stream.codec_context.thread_count = 1   # short runs: a thread pool's start-up and hand-offs cost more
-            targets = burst_targets([k.index for k in listing.keyframes], listing.total_num_frames, num_frames,
-                                    int(burst_step))
-            frames, indices, decoded, pts = frames_at(container, stream, listing, targets, label)
-            extra = {"burst_mode": "bursts", "burst_step": int(burst_step), "decoded_frames": decoded}
-        return stack_frames(frames, label), facts.metadata(NAME, indices, keyframe_source=listing.source,
-                                                            num_keyframes=len(listing.keyframes),
-                                                            frames_timestamps=pts_seconds(stream, pts), **extra)
+    step = int(burst_step)
+    return keyframes_or_exact(source, label, NAME, request, use_index=use_index, mode_key="burst_mode",
+                              fill_mode="bursts", fill_extra={"burst_step": step}, one_thread=True,
+                              targets=partial(burst_targets, step=step))
 
 
 @VIDEO_LOADER_REGISTRY.register(NAME)

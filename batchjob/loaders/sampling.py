@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from batchjob.loaders.decode import decode_run, read_keyframe
 from batchjob.loaders.errors import CorruptVideo, InvalidArgument
-from batchjob.loaders.keyframes import KeyframeListing
-from batchjob.loaders.media import prepare_keyframe_decoder
-from batchjob.loaders.picks import fill_targets, gop_of, keyframe_picks
+from batchjob.loaders.keyframes import KeyframeListing, from_sweep, list_keyframes
+from batchjob.loaders.media import (ClipFacts, Source, ffmpeg_errors, nominal_fps, open_video, prepare_keyframe_decoder,
+                                    pts_seconds, stack_frames)
+from batchjob.loaders.picks import gop_of, keyframe_picks
+from batchjob.loaders.request import FrameRequest
 
 
 def check_num_frames(num_frames: object, label: str) -> int:
@@ -33,12 +37,34 @@ def keyframe_frames(container, stream, listing: KeyframeListing, num_frames: int
     return [decoded[p][0] for p in picks], [decoded[p][2] for p in picks], [decoded[p][1] for p in picks]
 
 
-def exact_frames(container, stream, listing: KeyframeListing, num_frames: int, max_decoded_frames: int,
-                 label: str) -> tuple[list[np.ndarray], list[int], int, list[int]]:
-    """Uniformly placed exact frames, each decoded forward from the keyframe before it (`fill_targets`)."""
-    kf_indices = [k.index for k in listing.keyframes]
-    targets = fill_targets(kf_indices, listing.total_num_frames, num_frames, max_decoded_frames)
-    return frames_at(container, stream, listing, targets, label)
+def keyframes_or_exact(source: Source, label: str, name: str, request: FrameRequest, *, use_index: bool,
+                       targets: Callable[[list[int], int, int], list[int]], mode_key: str, fill_mode: str,
+                       fill_extra: dict | None = None, one_thread: bool = False) -> tuple[np.ndarray, dict]:
+    """A clip's keyframes when it has at least as many as frames asked (`mode_key`: "keyframes"); else the exact
+    frames `targets(keyframe indices, frames in the clip, frames asked)` names, each decoded forward from the
+    keyframe before it (`mode_key`: `fill_mode`, plus `fill_extra`). The body of the loaders that differ only in
+    where those frames are (pyav_adaptive, pyav_burst). `one_thread`: decode the runs on one thread (short runs
+    lose more to a thread pool's start-up and hand-offs than they gain)."""
+    with ffmpeg_errors(label), open_video(source, label) as (container, stream):
+        listing = list_keyframes(container, stream, label, allow_index=use_index)
+        require_keyframes(listing, label)
+        facts = ClipFacts(listing.total_num_frames, nominal_fps(stream))
+        num_frames = request.count(facts.total_num_frames, facts.duration)
+        if len(listing.keyframes) >= num_frames:
+            frames, indices, pts = keyframe_frames(container, stream, listing, num_frames, label)
+            extra = {mode_key: "keyframes", "decoded_frames": len(set(indices))}
+        else:
+            if listing.sorted_pts is None:  # the sample table has no presentation times: sweep once
+                listing = from_sweep(container, stream, label)
+                require_keyframes(listing, label)
+            if one_thread:
+                stream.codec_context.thread_count = 1
+            wanted = targets([k.index for k in listing.keyframes], listing.total_num_frames, num_frames)
+            frames, indices, decoded, pts = frames_at(container, stream, listing, wanted, label)
+            extra = {mode_key: fill_mode, **(fill_extra or {}), "decoded_frames": decoded}
+        return stack_frames(frames, label), facts.metadata(name, indices, keyframe_source=listing.source,
+                                                            num_keyframes=len(listing.keyframes),
+                                                            frames_timestamps=pts_seconds(stream, pts), **extra)
 
 
 def frames_at(container, stream, listing: KeyframeListing, targets: list[int],
