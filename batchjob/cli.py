@@ -323,13 +323,12 @@ def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets 
     """Run the whole pipeline on synthetic clips with the tiny demo model trained on such clips (built locally)."""
     from batchjob.demo import build_demo, is_trained
 
-    if compare_loaders and not is_trained(model_type):
-        raise typer.BadParameter(f"{model_type} has no trained demo model: its loader comparison would be chance",
-                                 param_hint="--compare-loaders")
-
     if model_type not in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         raise typer.BadParameter(f"{model_type!r}: choose qwen2_5_vl, qwen3_vl or qwen3_vl_moe",
                                  param_hint="--model-type")
+    if compare_loaders and not is_trained(model_type):
+        raise typer.BadParameter(f"{model_type} has no trained demo model: its loader comparison would be chance",
+                                 param_hint="--compare-loaders")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")   # everything is local; never wait on a hub lookup
     model_note = "trained demo model" if is_trained(model_type) else "random-weight model: answers are chance"
     err.print(f"building demo assets ({model_note}, synthetic clips)...")
@@ -338,12 +337,12 @@ def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets 
     _run(config, limit=None, output=None, restart=True, ray_address=None)
     output = "output" if model_type == "qwen2_5_vl" else f"output-{model_type}"
     if compare_loaders:
-        from batchjob.demo import COMPARISON, compare_demo_loaders
-        from batchjob.loader_comparison import markdown_table
+        from batchjob.demo import compare_demo_loaders
+        from batchjob.loader_comparison import STEM, markdown_table
 
         err.print("comparing loaders on the demo's clips (in this process)...")
         out.print(markdown_table(compare_demo_loaders(config, model_type)), highlight=False, markup=False)
-        page = config.parent / output / f"{COMPARISON}.html"
+        page = config.parent / output / f"{STEM}.html"
         if page.exists():
             out.print(f"loader comparison page: {page}", highlight=False)
     out.print(f"results: batchjob report {config.parent / output}", highlight=False)

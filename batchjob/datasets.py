@@ -38,7 +38,8 @@ def _read_table(path: Path) -> list[dict[str, Any]]:
 
     try:
         if path.suffix.lower() == ".parquet":
-            return pq.ParquetFile(path).read(use_threads=False).to_pylist()   # no dataset scanner (see output.read_conformed)
+            # the file reader, not read_table's dataset scanner (see pipeline.output.read_conformed)
+            return pq.ParquetFile(path).read(use_threads=False).to_pylist()
         if path.is_dir():  # a directory of parquet shards, as the hub ships NExTQA's MC split
             shards = sorted(path.glob("*.parquet"))
             if not shards:

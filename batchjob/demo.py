@@ -114,9 +114,6 @@ def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 16, mode
     return config
 
 
-COMPARISON = "loader_comparison"      # .json / .html inside the demo's output directory (`batchjob report` shows it)
-
-
 def compare_demo_loaders(config: Path, model_type: str = "qwen2_5_vl", loaders: tuple[str, ...] | None = None):
     """The demo's clips decoded by each loader and answered by the demo model in this process
     (`batchjob.loader_comparison`); the table and (with plotly installed) its page are written into the demo
@@ -124,7 +121,7 @@ def compare_demo_loaders(config: Path, model_type: str = "qwen2_5_vl", loaders: 
     from batchjob.config import load_config
     from batchjob.demo_model import RECIPES
     from batchjob.engine import Classifier
-    from batchjob.loader_comparison import LOADERS, compare_loaders, html_page, to_json
+    from batchjob.loader_comparison import LOADERS, STEM, compare_loaders, html_page, to_json
 
     cfg = load_config(config)
     root = Path(config).parent
@@ -138,9 +135,9 @@ def compare_demo_loaders(config: Path, model_type: str = "qwen2_5_vl", loaders: 
     out.mkdir(parents=True, exist_ok=True)
     clips = len({r["video"] for r in records})
     about = f"{clips} demo clips, {cfg.loader.num_frames} frames, the {model_type} demo model (in process, this machine)"
-    (out / f"{COMPARISON}.json").write_text(to_json(rows, about=about, model_type=model_type))
+    (out / f"{STEM}.json").write_text(to_json(rows, about=about, model_type=model_type))
     try:
-        (out / f"{COMPARISON}.html").write_text(html_page(rows, "batchjob demo: loaders side by side", about))
+        (out / f"{STEM}.html").write_text(html_page(rows, "batchjob demo: loaders side by side", about))
     except ImportError:           # plotly is the report extra's
         pass
     return rows

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 LOADERS = ("pyav_keyframes", "pyav_adaptive", "opencv")
+STEM = "loader_comparison"    # <STEM>.json / .html in a job's output directory (`batchjob report` shows the table)
 KINDS = ("colour", "count", "direction", "order")
 
 

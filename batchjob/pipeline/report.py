@@ -36,7 +36,9 @@ def summarize(directory: str | Path) -> dict[str, Any]:
         r["started"], r["last"] = r["started"].isoformat(), r["last"].isoformat()
     total_s = sum(r["seconds"] for r in runs.values())
     meta = read_file_metadata(directory)
-    comparison = Path(directory) / "loader_comparison.json"      # written by `batchjob demo --compare-loaders`
+    from batchjob.loader_comparison import STEM
+
+    comparison = Path(directory) / f"{STEM}.json"      # written by `batchjob demo --compare-loaders`
     return {
         "output": str(directory),
         "job": meta.get("job"),
