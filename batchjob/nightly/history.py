@@ -123,7 +123,7 @@ def read_history(history: str | Path) -> History:
     records, bad = [], []
     for path in sorted(folder.glob(RECORD_GLOB)) if folder.is_dir() else []:
         try:
-            records.extend(_from_row(row) for row in read_conformed(path, SCHEMA).to_pylist())
+            records.extend(_from_row(row) for row in read_conformed(pq.ParquetFile(path), SCHEMA).to_pylist())
         except Exception as err:     # damaged by something outside batchjob: report it, keep the rest readable
             bad.append(f"{path}: {type(err).__name__}: {err}")
     records.sort(key=lambda r: (r.started_at, r.job))

@@ -197,8 +197,9 @@ def read_part(path: Path, columns: list[str] | None = None) -> pa.Table:
     try:
         blob = path.read_bytes()
         body = _body(blob)
-        table = read_conformed(pa.BufferReader(blob), SCHEMA, page_checksum_verification=True)
-        stored = (pq.read_metadata(pa.BufferReader(blob)).metadata or {}).get(BODY_CRC_KEY)   # the footer's own
+        file = pq.ParquetFile(pa.BufferReader(blob), page_checksum_verification=True)
+        table = read_conformed(file, SCHEMA)
+        stored = (file.metadata.metadata or {}).get(BODY_CRC_KEY)   # the footer's own (the footer parsed once)
     except (pa.ArrowException, OSError, ValueError, EOFError) as err:
         raise PartUnreadable(DamagedPart(path, _reason(err))) from None
     if stored is not None and _stale(stored, body):
@@ -207,11 +208,11 @@ def read_part(path: Path, columns: list[str] | None = None) -> pa.Table:
     return table.select(columns) if columns else table
 
 
-def read_conformed(source: Any, schema: pa.Schema, **options: Any) -> pa.Table:
+def read_conformed(file: pq.ParquetFile, schema: pa.Schema) -> pa.Table:
     """One Parquet file as a table of `schema`: its columns cast, a column older files lack as nulls. Read with
     the plain file reader on this thread, not `pq.read_table`: that goes through the dataset scanner, whose
     thread-pool callbacks were seen to abort a process (SIGABRT inside Arrow's Acero) now and then."""
-    table = pq.ParquetFile(source, **options).read(use_threads=False)
+    table = file.read(use_threads=False)
     columns = [table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(len(table), f.type)
                for f in schema]
     return pa.Table.from_arrays(columns, schema=schema)
