@@ -145,7 +145,7 @@ def _run(config: Path, *, limit: int | None, output: Path | None, restart: bool,
                         rate=s.done_rows / s.stream_s if s.stream_s else 0.0)
 
     options = RunOptions(restart=restart, retry_errors=retry_errors, repair=repair,
-                         output_key="--output" if output else None)
+                         output_key="--output" if output else None, owns_process=True)
     try:
         with progress:
             stats = run_job(cfg, options, on_start=on_start, on_progress=on_progress)
@@ -380,7 +380,32 @@ def _reexec_with_openblas() -> None:
 
 def main() -> None:
     _reexec_with_openblas()
-    app(prog_name="batchjob")
+    try:
+        app(prog_name="batchjob")
+    except SystemExit as done:
+        from batchjob.pipeline.driver_engine import DriverEngine
+
+        if DriverEngine.hosted:
+            _end_process(done.code)
+        raise
+
+
+def _end_process(code) -> None:
+    """End a process that hosted the engine the way an actor's process ends: flushed, then `os._exit`. A normal
+    interpreter exit runs MLX's static destructors, whose worker threads then call back into the finalising
+    interpreter and abort (SIGABRT after the run had finished and written everything)."""
+    import logging
+
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":

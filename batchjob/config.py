@@ -190,6 +190,10 @@ class RuntimeConfig(_Section):
     engine_gpus: Literal["auto"] | Annotated[Float, Field(ge=0)] = Field(
         "auto", description="Ray num_gpus per engine replica; auto = 1 when Ray reports GPUs and model.device is "
         "not cpu, else 0")
+    engine_placement: Literal["auto", "driver", "actors"] = Field(
+        "auto", description="driver = the engine loads and answers in the job's own process, its load beside "
+        "Ray's start (one local replica); actors = one Ray actor per replica; auto = driver for a local job with "
+        "one replica on a GPU, else actors")
     decode_cpus: Float = Field(1.0, gt=0)
     engine_cpus: Float = Field(1.0, gt=0, description="also the engine's BLAS threads (at least 1): give a CPU "
                                "engine the cores it should use beside the decoders")

@@ -182,6 +182,7 @@ class EngineBase:
     """Defaults for an engine plugin: constructed as `cls(model, prompt)`, frames only, no torch hiding."""
 
     hides_torch = False
+    runs_in_driver = False   # may load and answer on a thread of the driver's process (pipeline/placement.py)
     name = "plugin"          # what `describe` reports as the engine
     model_id: str = "unknown"
 
@@ -202,6 +203,11 @@ class EngineBase:
         """Before anything starts, when the engines will run on this machine (no cluster): raise ConfigError
         for settings this machine's devices cannot hold."""
         return None
+
+    @classmethod
+    def on_gpu(cls, model: "ModelConfig") -> bool:
+        """Whether the engine would run on a GPU here (asked, before the load, by `engine_placement: auto`)."""
+        return False
 
     def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:
         raise NotImplementedError

@@ -105,9 +105,11 @@ def check_loader(cfg: JobConfig) -> None:
 def check_engine(cfg: JobConfig) -> None:
     """The engine's own checks; with the engines on this machine (no cluster), also against its devices."""
     from batchjob.pipeline.engines import resolve_engine
+    from batchjob.pipeline.placement import choose_placement, local_gpu_count
 
     try:
         engine = resolve_engine(cfg.model.engine)
+        choose_placement(cfg, local_gpu_count(), bool(getattr(engine, "runs_in_driver", False)))   # driver: possible?
         engine.check(cfg.model, cfg.prompt)
         if cfg.runtime.ray_address is None and hasattr(engine, "check_local"):
             engine.check_local(cfg.model)

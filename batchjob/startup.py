@@ -8,6 +8,7 @@ steps break its load down. Steps that overlap the driver's critical path (decode
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,19 @@ def seconds_since_launch() -> float | None:
         return None
 
 
+class LoadCancelled(Exception):
+    """A load the job no longer needs (a refused config, nothing left to answer) stopped at a step's end."""
+
+
+_thread_state = threading.local()
+
+
+def cancel_marks_on(event: threading.Event | None) -> None:
+    """From now on, a `StepClock.mark` on the calling thread raises LoadCancelled once `event` is set: an
+    engine loading on the driver's thread stops at its next step instead of outliving the job's process."""
+    _thread_state.cancel = event
+
+
 class StepClock:
     """Consecutive steps: `mark(name)` closes the step that began at the previous mark (or at `origin`)."""
 
@@ -35,6 +49,9 @@ class StepClock:
         self.steps: list[StartupStep] = []
 
     def mark(self, name: str) -> float:
+        cancel = getattr(_thread_state, "cancel", None)
+        if cancel is not None and cancel.is_set():
+            raise LoadCancelled(name)
         now = time.perf_counter()
         self.steps.append(StartupStep(name, now - self._last))
         self._last = now

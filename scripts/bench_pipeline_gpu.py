@@ -15,6 +15,12 @@ Methods, each a fresh process timed from outside, start to exit:
                    kept, the checkpoint evicted from the page cache
   pyav_keyframes   the shipped config (default memory budget), warm caches: the headline run
   explicit_budget  the same with `model.memory_budget_gb: --explicit-budget-gb` (the budget rule's control)
+  cold_cache       pyav_keyframes on `--first-run-clips` clips with the checkpoint evicted from the page cache,
+                   compiled kernels kept (a night after other work filled the page cache), beside the time a plain
+                   sequential read of the evicted checkpoint takes (the disk's own speed)
+  actor_engine     the same with `runtime.engine_placement: actors` (the engine in a Ray actor, loading after
+                   Ray's start: the placement's control; the shipped `auto` puts a one-GPU job's engine in the
+                   driver's process, loading from launch)
   opencv, pyav_adaptive   the shipped config with that loader
   baseline         one process: the model loaded once, then per question decode its clip with `opencv` and
                    classify that one question alone (the harness the published study measured against), on the
@@ -195,7 +201,19 @@ def count_files(folder: Path) -> int:
 # --- methods ------------------------------------------------------------------------------------------------
 # User-path runs besides one per loader: the job's first run on a fresh machine (no compiled kernels, the
 # checkpoint out of the page cache), and the shipped config with an explicit memory budget.
-FIRST_RUN, EXPLICIT_BUDGET = "first_run", "explicit_budget"
+FIRST_RUN, EXPLICIT_BUDGET, ACTOR_ENGINE, COLD_CACHE = "first_run", "explicit_budget", "actor_engine", "cold_cache"
+
+
+def timed_read(folder: Path) -> tuple[float, int]:
+    """Seconds and bytes to read `folder`'s files once, sequentially, in 16 MiB chunks (evicted first)."""
+    evict_from_page_cache(folder)
+    t0, total = time.perf_counter(), 0
+    for f in sorted(folder.rglob("*")):
+        if f.is_file():
+            with open(f, "rb", buffering=0) as fh:
+                while chunk := fh.read(16 * 2**20):
+                    total += len(chunk)
+    return time.perf_counter() - t0, total
 
 
 def run_job(args, name: str, cfg: dict, work: Path, job_clips: int) -> dict:
@@ -246,8 +264,23 @@ def run_user(args, name: str, checkpoint: Path, data: Dataset, work: Path) -> di
               flush=True)
     elif name == EXPLICIT_BUDGET:
         loader, budget = "pyav_keyframes", args.explicit_budget_gb
+    elif name == ACTOR_ENGINE:
+        loader = "pyav_keyframes"
+    elif name == COLD_CACHE:
+        loader, limit = "pyav_keyframes", args.first_run_clips * args.questions
+        read_s, read_bytes = timed_read(checkpoint)
+        evicted = evict_from_page_cache(checkpoint)
+        print(f"{name}: a plain read of the evicted checkpoint took {read_s:.1f} s ({read_bytes / read_s / 2**30:.2f} "
+              f"GiB/s); {evicted / 2**30:.1f} GiB evicted again", flush=True)
     cfg = user_config(data, checkpoint, loader, work / f"out-{name}", limit=limit, budget_gb=budget)
-    return {"loader": loader, "explicit_budget_gb": budget, **run_job(args, name, cfg, work, data.info["clips"])}
+    if name == ACTOR_ENGINE:
+        cfg["runtime"]["engine_placement"] = "actors"
+    got = {"loader": loader, "explicit_budget_gb": budget, **run_job(args, name, cfg, work, data.info["clips"])}
+    if name == COLD_CACHE:
+        got["plain_read_s"] = read_s
+        if got.get("startup_s") is not None:
+            got["startup_over_plain_read_s"] = got["startup_s"] - read_s
+    return got
 
 
 def summarize_run(stats: dict, wall_s: float, job_clips: int | None = None) -> dict:
@@ -276,6 +309,8 @@ def summarize_run(stats: dict, wall_s: float, job_clips: int | None = None) -> d
         "rows_per_s_streaming": streaming, "rows_per_s_vs_streaming": rate / streaming if rate and streaming else None,
         "startup_s": startup.get("total_s", wall_s - stream if stream == stream else None),
         "startup_steps": startup.get("steps"), "engine_load_steps": startup.get("engine_load"),
+        "startup_overlapped": startup.get("overlapped"),
+        "engine_placement": (stats.get("engine_runtime") or {}).get("placement"),
         "load_s": (startup.get("steps") or {}).get("engine_load"), "memory": stats.get("memory"),
         "gpu_busy": gpu_busy, "overlap": stats.get("overlap_efficiency"),
         "decode_ms_per_clip": decode_ms, "engine_ms_per_clip": engine_ms,
@@ -380,8 +415,13 @@ def figures(methods: dict) -> dict:
             "adaptive_vs_opencv": ratio("pyav_adaptive", "opencv"),
             "keyframes_vs_opencv_streaming": ratio("pyav_keyframes", "opencv", "rows_per_s_streaming"),
             "default_vs_explicit_budget": ratio("pyav_keyframes", EXPLICIT_BUDGET),
+            "startup_vs_actor_engine": ratio("pyav_keyframes", ACTOR_ENGINE, "startup_s"),
+            "engine_placement": per("engine_placement"), "startup_s_per_method": per("startup_s"),
             "startup_s": keyframes.get("startup_s"), "load_s": keyframes.get("load_s"),
             "first_run_startup_s": ok.get(FIRST_RUN, {}).get("startup_s"),
+            "cold_cache_startup_s": ok.get(COLD_CACHE, {}).get("startup_s"),
+            "cold_cache_plain_read_s": ok.get(COLD_CACHE, {}).get("plain_read_s"),
+            "cold_cache_startup_over_plain_read_s": ok.get(COLD_CACHE, {}).get("startup_over_plain_read_s"),
             "budget": keyframes.get("memory"),
             "rows_per_s": per("rows_per_s"), "rows_per_s_streaming": per("rows_per_s_streaming"),
             "rows_per_s_vs_streaming": per("rows_per_s_vs_streaming"), "startup_steps": per("startup_steps"),
@@ -398,16 +438,16 @@ def _fmt(v, spec: str = ".2f") -> str:
 def table(methods: dict) -> str:
     fig = figures(methods)
     base, opencv = methods.get("baseline", {}), methods.get("opencv", {})
-    head = ("| method | rows/s | streaming rows/s | whole / streaming | start-up s | load s | vs opencv | vs baseline "
-            "| GPU busy | decode ms/clip | cores/GPU | peak host MB | kernels compiled | bound by |")
-    lines = [head, "|" + "|".join(["---"] * 14) + "|"]
+    head = ("| method | engine in | rows/s | streaming rows/s | whole / streaming | start-up s | load s | vs opencv "
+            "| vs baseline | GPU busy | decode ms/clip | cores/GPU | peak host MB | kernels compiled | bound by |")
+    lines = [head, "|" + "|".join(["---"] * 15) + "|"]
     for m, r in methods.items():
         if "error" in r:
-            lines.append(f"| {m} | failed: {r['error']} |" + " |" * 12)
+            lines.append(f"| {m} | failed: {r['error']} |" + " |" * 13)
             continue
         vs_cv = r["rows_per_s"] / opencv["rows_per_s"] if opencv.get("rows_per_s") else None
         vs_base = r["rows_per_s"] / base["rows_per_s"] if base.get("rows_per_s") and "error" not in base else None
-        lines.append(f"| {m} | {_fmt(r.get('rows_per_s'))} | {_fmt(r.get('rows_per_s_streaming'))} | "
+        lines.append(f"| {m} | {r.get('engine_placement') or '-'} | {_fmt(r.get('rows_per_s'))} | {_fmt(r.get('rows_per_s_streaming'))} | "
                      f"{_fmt(r.get('rows_per_s_vs_streaming'))} | {_fmt(r.get('startup_s'), '.1f')} | "
                      f"{_fmt(r.get('load_s'), '.1f')} | {_fmt(vs_cv)}x | {_fmt(vs_base)}x | "
                      f"{_fmt(r.get('gpu_busy'), '.0%')} | {_fmt(r.get('decode_ms_per_clip'), '.0f')} | "
@@ -439,8 +479,9 @@ def save(report: dict, path: Path) -> None:
 
 # --- main ---------------------------------------------------------------------------------------------------
 LOADERS = ("pyav_keyframes", "opencv", "pyav_adaptive")
-METHODS = (FIRST_RUN, "pyav_keyframes", EXPLICIT_BUDGET, "opencv", "baseline", "pyav_adaptive")
-DEFAULT_METHODS = (FIRST_RUN, "pyav_keyframes", EXPLICIT_BUDGET)
+METHODS = (FIRST_RUN, "pyav_keyframes", EXPLICIT_BUDGET, COLD_CACHE, ACTOR_ENGINE, "opencv", "baseline",
+           "pyav_adaptive")
+DEFAULT_METHODS = (FIRST_RUN, "pyav_keyframes", EXPLICIT_BUDGET, COLD_CACHE, ACTOR_ENGINE)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -484,8 +525,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         ap.error(f"--methods: unknown {sorted(unknown)}; choose from {','.join(METHODS)}")
-    if args.in_process_model and {FIRST_RUN, EXPLICIT_BUDGET} & set(args.methods.split(",")):
-        ap.error(f"--in-process-model has no checkpoint on disk: drop {FIRST_RUN} and {EXPLICIT_BUDGET} from --methods")
+    on_disk = {FIRST_RUN, EXPLICIT_BUDGET, COLD_CACHE, ACTOR_ENGINE}
+    if args.in_process_model and on_disk & set(args.methods.split(",")):
+        ap.error(f"--in-process-model has no checkpoint on disk: drop {', '.join(sorted(on_disk))} from --methods")
     return args
 
 

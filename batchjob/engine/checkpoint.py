@@ -93,17 +93,25 @@ def weight_files(path: Path) -> list[Path]:
     return files or sorted(f for f in path.glob("*.safetensors") if f.name != "consolidated.safetensors")
 
 
-def read_weights(files: list[Path]) -> dict[str, dict[str, mx.array]]:
+def read_weights(files: list[Path], prefetch_to_gpu: bool = False) -> dict[str, dict[str, mx.array]]:
     """Every shard read into memory on the CPU stream: MLX's CPU load reads a file with parallel readers into
-    unified memory, where the GPU load reads it tensor by tensor on one thread. Keyed by path as mlx-vlm names it."""
+    unified memory, where the GPU load reads it tensor by tensor on one thread. Keyed by path as mlx-vlm names it.
+
+    `prefetch_to_gpu` (CUDA): each shard, once read, is touched on the GPU asynchronously while the next shard
+    is read, so the pages' move to the device (what `touch_on_device` otherwise does after the whole read)
+    overlaps the disk."""
     shards = {}
-    with mx.stream(mx.cpu):
-        for f in files:
+    for f in files:
+        with mx.stream(mx.cpu):
             try:
-                shards[str(f)] = mx.load(str(f))
+                shard = mx.load(str(f))
             except RuntimeError:     # a dtype MLX cannot read directly: mlx-vlm's loader converts it itself
                 continue
-        mx.eval([a for shard in shards.values() for a in shard.values()])
+            mx.eval(list(shard.values()))
+        shards[str(f)] = shard
+        if prefetch_to_gpu:
+            with mx.stream(mx.gpu):
+                mx.async_eval([mx.sum(a) for a in shard.values()])
     return shards
 
 
@@ -161,7 +169,7 @@ def load_checkpoint(model: str | os.PathLike, config: EngineConfig, clock: StepC
     activate(device)
     clock.mark("device_init")
     try:
-        shards = read_weights(weight_files(path))
+        shards = read_weights(weight_files(path), prefetch_to_gpu=device == "cuda")
     except Exception as exc:
         raise EngineError(f"{path}: the weights could not be read ({type(exc).__name__}: {exc})") from exc
     clock.mark("weights_read")

@@ -100,19 +100,24 @@ class Decoder:
 class EngineHost:
     """Holds one engine (model weights, KV cache) for the whole job."""
 
-    def __init__(self, model: ModelConfig, prompt: PromptConfig, cpus: float = 1.0, created_at: float | None = None):
+    def __init__(self, model: ModelConfig, prompt: PromptConfig, cpus: float = 1.0, created_at: float | None = None,
+                 *, process_wide: bool = True, first_step: str = "actor_process"):
+        """`process_wide`: this process is the engine's to configure (torch hidden, BLAS threads capped); an
+        engine on a thread of a caller's process leaves both alone. `first_step` names the wait between
+        `created_at` and the host's start (the actor's process start)."""
         entered = time.time()
         t0 = time.perf_counter()
         from batchjob.engine.process_setup import keep_torch_out, set_blas_threads
         from batchjob.pipeline.engines import resolve_engine
 
         engine_cls = resolve_engine(model.engine)
-        if engine_cls.hides_torch:
-            keep_torch_out()
-        set_blas_threads(cpus)   # the CPUs Ray reserved for this actor, no more
+        if process_wide:
+            if engine_cls.hides_torch:
+                keep_torch_out()
+            set_blas_threads(cpus)   # the CPUs Ray reserved for this actor, no more
         t1 = time.perf_counter()
         self.engine = engine_cls.load(model, prompt)
-        self._host_steps = (StartupStep("actor_process", max(0.0, entered - created_at) if created_at else 0.0),
+        self._host_steps = (StartupStep(first_step, max(0.0, entered - created_at) if created_at else 0.0),
                             StartupStep("engine_module", t1 - t0))
         self._load_s = time.perf_counter() - t1
 

@@ -15,7 +15,9 @@ from batchjob.config import JobConfig
 from batchjob.contract import StartupStep
 from batchjob.datasets import Row
 from batchjob.pipeline.driver import Driver, RunStats
+from batchjob.pipeline.driver_engine import DriverEngine
 from batchjob.pipeline.output import PartWriter, lock_output, prepare_output, read_verified
+from batchjob.pipeline.placement import Placement, single_replica
 from batchjob.pipeline.resume import RESUME_COLUMNS, ResumePlan, answered_rows, plan_resume, rescore_rows
 from batchjob.pipeline.retry import RowSink, commit_retry, staging_writer
 from batchjob.pipeline.work import group_by_clip
@@ -68,12 +70,20 @@ class RunOptions:
     retry_errors: bool = False
     repair: bool = False
     output_key: str | None = None
+    owns_process: bool = False   # the CLI's own process: an engine in the driver may hide torch, cap BLAS threads
 
 
 def run_job(cfg: JobConfig, options: RunOptions = RunOptions(), *,
             on_start: Callable[[RunStats], None] | None = None,
             on_progress: Callable[[RunStats], None] | None = None) -> RunStats:
-    """Run (or resume) the job; rows already in the output are skipped. Returns this run's statistics."""
+    """Run (or resume) the job; rows already in the output are skipped. Returns this run's statistics.
+
+    The checks and the output scan come first (a refused config or a finished job never starts Ray), then Ray,
+    while a thread reads the weights into the page cache (pipeline/readahead.py). An engine in the driver
+    (pipeline/placement.py) starts loading the moment Ray is up, beside the decoders' start: not earlier,
+    because Ray starts each of its processes with fork + a Python pre-exec step, slow in a process that holds
+    the weights or a CUDA context and contended by the load's own Python work (on the H100: Ray's start took
+    8.6 s beside the load, 3.7 s alone)."""
     import time
 
     from batchjob.startup import seconds_since_launch
@@ -83,15 +93,68 @@ def run_job(cfg: JobConfig, options: RunOptions = RunOptions(), *,
     clock = StepClock(t0 - launched if launched is not None else t0)
     clock.mark("launch")     # the interpreter, the CLI's imports (and its BLAS re-exec)
     started_at = datetime.now(timezone.utc)
+    placement = plan_placement(cfg, options.owns_process)
+    prepared = _prepare(cfg, options, clock)
+    if prepared.clips:   # the disk reads the weights while Ray starts (pipeline/readahead.py)
+        from batchjob.pipeline.readahead import warm_page_cache, weight_files
+
+        warm_page_cache(weight_files(cfg.model.checkpoint))
+    try:
+        return _run_prepared(cfg, prepared, options, t0, started_at, on_start, on_progress, clock, placement)
+    finally:
+        os.close(prepared.lock_fd)
+
+
+@dataclass
+class _Prepared:
+    """The job checked and its output scanned, under the output's lock: what Ray's side of the run needs."""
+    rows: list[Row]
+    manifest: dict
+    resume: ResumePlan
+    clips: list
+    stats: RunStats
+    lock_fd: int
+
+
+def _prepare(cfg: JobConfig, options: RunOptions, clock: StepClock) -> _Prepared:
+    """Preflight checks, the output's lock, the resume scan and the clip plan, a clock mark after each."""
     rows = preflight(cfg, output_key=options.output_key)
     clock.mark("preflight")
     manifest = {"job": cfg.job, "config": cfg.model_dump(), "versions": versions()}
-    out_dir = Path(cfg.output.directory)
-    lock_fd = lock_output(out_dir)
+    lock_fd = lock_output(Path(cfg.output.directory))
     try:
-        return _run_locked(cfg, rows, manifest, options, t0, started_at, on_start, on_progress, clock)
-    finally:
+        stats = RunStats(total_rows=len(rows))
+        resume = _resume(cfg, rows, manifest, options, stats)
+        clips = group_by_clip(rows, {r.row_id for r in rows} - resume.run, cfg.loader.name, cfg.loader.num_frames,
+                              cfg.loader.kwargs)
+    except BaseException:
         os.close(lock_fd)
+        raise
+    clock.mark("output_scan")     # the lock, the resume scan of the output, the clip plan
+    return _Prepared(rows, manifest, resume, clips, stats, lock_fd)
+
+
+def plan_placement(cfg: JobConfig, owns_process: bool = True) -> Placement:
+    """Where the engine runs (pipeline/placement.py); `auto` asks the engine whether it has a GPU here (for
+    MLX: its import and a device query), and keeps actors inside a caller's own program (`owns_process`
+    False: a process that hosted MLX must end with os._exit, which only the CLI may decide). Actors when the
+    config has a problem the checks will name next."""
+    from batchjob.config import ConfigError
+    from batchjob.pipeline.engines import resolve_engine
+    from batchjob.pipeline.placement import choose_placement, local_gpu_count
+
+    try:
+        engine = resolve_engine(cfg.model.engine)
+        placement = choose_placement(cfg, local_gpu_count(), bool(getattr(engine, "runs_in_driver", False)))
+        if placement.gpu_only and not owns_process:
+            return Placement("actors", False, "auto: inside another program the engine keeps its own process")
+        if placement.gpu_only and not engine.on_gpu(cfg.model):
+            return Placement("actors", False, "auto: the engine runs on the CPU here")
+        return placement
+    except ConfigError:
+        return Placement("actors", False, "the config has a problem")
+    except Exception as err:   # e.g. the engine's device query failing: its load will say it again, in an actor
+        return Placement("actors", False, f"auto: the engine could not say where it runs ({type(err).__name__})")
 
 
 def _resume(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOptions, stats: RunStats) -> ResumePlan:
@@ -111,15 +174,24 @@ def _resume(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOptions
     return plan
 
 
-def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOptions, t0: float,
-                started_at: datetime, on_start: Callable[[RunStats], None] | None,
-                on_progress: Callable[[RunStats], None] | None, clock: StepClock | None = None) -> RunStats:
+def _engine_error(cfg: JobConfig, err: BaseException) -> EngineStartError:
+    """The engine's own message (the last line of a Ray-wrapped traceback), naming engine and checkpoint."""
+    lines = [ln.strip() for ln in str(getattr(err, "cause", None) or err).splitlines() if ln.strip()]
+    return EngineStartError(f"engine {cfg.model.engine!r} could not load {cfg.model.checkpoint}: "
+                            f"{lines[-1] if lines else type(err).__name__}")
+
+
+def _run_prepared(cfg: JobConfig, prepared: _Prepared, options: RunOptions, t0: float, started_at: datetime,
+                  on_start: Callable[[RunStats], None] | None, on_progress: Callable[[RunStats], None] | None,
+                  clock: StepClock, placement: Placement) -> RunStats:
+    """From a prepared job to its last row: Ray, the engine, the decoders, the driver, the final flush."""
     import time
 
     import ray
 
     from batchjob.engine.memory_budget import host_ram_bytes
     from batchjob.pipeline.actors import make_decoders, make_engines
+    from batchjob.pipeline.driver_engine import DriverWorkers
     from batchjob.pipeline.engines import resolve_engine
     from batchjob.pipeline.ray_runtime import start_ray, stop_ray
     from batchjob.pipeline.remote_inputs import remote_options
@@ -128,22 +200,21 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOpt
     from batchjob.pipeline.workers import RayWorkers
     from batchjob.startup import Startup
 
-    clock = clock or StepClock(t0)
-
     out_dir, fingerprint = Path(cfg.output.directory), cfg.fingerprint()
-    stats = RunStats(total_rows=len(rows))
-    resume = _resume(cfg, rows, manifest, options, stats)
+    rows, manifest, resume, clips, stats = (prepared.rows, prepared.manifest, prepared.resume, prepared.clips,
+                                            prepared.stats)
     loader, n, kw = cfg.loader.name, cfg.loader.num_frames, cfg.loader.kwargs
-    clips = group_by_clip(rows, {r.row_id for r in rows} - resume.run, loader, n, kw)
     rt = cfg.runtime
     if on_start:
         on_start(stats)
     if not clips:
         return stats
-    clock.mark("output_scan")     # the lock, the resume scan of the output, the clip plan
     launched_wall = time.time() - (time.perf_counter() - clock.origin)
-    started = start_ray(rt.ray_address, cpus_to_start(cfg), object_store_bytes(rt.frames_in_flight, host_ram_bytes()))
+    in_driver = placement.in_driver
+    started = start_ray(rt.ray_address, cpus_to_start(single_replica(cfg) if in_driver else cfg),
+                        object_store_bytes(rt.frames_in_flight, host_ram_bytes()))
     clock.mark("ray_start")
+    early: DriverEngine | None = None
     previous = _catch_sigterm()
     driver: Driver | None = None
     stream_start: float | None = None
@@ -151,30 +222,33 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOpt
     decoders: list = []
     engines: list = []
     try:
-        plan = resolve_runtime(cfg, ray_resources())     # `auto` becomes numbers from what Ray reports
+        plan = resolve_runtime(single_replica(cfg) if in_driver else cfg, ray_resources())  # `auto` -> numbers
         stats.decoders, stats.engines, stats.engine_gpus = plan.decoders, plan.engines, plan.engine_gpus
         engine_cls = resolve_engine(cfg.model.engine)
         model = cfg.model
         if model.host_reserved_gb is None:   # the decoders and the object store share the engine's memory
             reserved = host_reserved_bytes(plan.decoders, rt.frames_in_flight, host_ram_bytes())
             model = model.model_copy(update={"host_reserved_gb": reserved / 2**30})
-        engines = make_engines(plan.engines, plan.engine_cpus, model, cfg.prompt, plan.engine_gpus)
+        if in_driver:   # loads on its thread while the decoders start
+            early = DriverEngine(model, cfg.prompt, placement, cpus=rt.engine_cpus, process_wide=options.owns_process)
+        else:
+            engines = make_engines(plan.engines, plan.engine_cpus, model, cfg.prompt, plan.engine_gpus)
         decoders = make_decoders(plan.decoders, plan.decode_cpus, loader, n, kw,
                                  engine_cls.input_preparer(cfg.model), remote_options(rt))
         try:
-            described = ray.get([e.describe.remote() for e in engines])
-        except ray.exceptions.RayError as err:
-            # Ray wraps the actor's exception in a traceback; its last line is the engine's own message.
-            lines = [ln.strip() for ln in str(getattr(err, "cause", None) or err).splitlines() if ln.strip()]
-            raise EngineStartError(f"engine {cfg.model.engine!r} could not load {cfg.model.checkpoint}: "
-                                   f"{lines[-1] if lines else type(err).__name__}") from None
-        clock.mark("engine_load")    # actors created; every replica's model loaded (decoders start meanwhile)
+            described = [early.description()] if in_driver else ray.get([e.describe.remote() for e in engines])
+        except Exception as err:
+            # A Ray-wrapped error's last line is the engine's own message; the driver's thread raises it as is.
+            raise _engine_error(cfg, err) from None
+        clock.mark("engine_load")    # every replica's model loaded (what of it the steps before did not hide)
         stats.model = described[0].model_id
         stats.memory = dict(described[0].details.get("memory") or {})
         # Who answered goes into every part's metadata (next to the config and versions).
         engine_info = {"engine": described[0].engine, "model_id": described[0].model_id,
                        **dict(described[0].details)}
         stats.engine_runtime = {k: str(v) for k, v in described[0].details.items() if k != "memory"}
+        stats.engine_runtime["placement"] = placement.where
+        stats.engine_runtime["placement_reason"] = placement.reason
         file_meta = {**manifest, "fingerprint": fingerprint, "engine": engine_info}
         per_part, every = cfg.output.rows_per_part, cfg.output.flush_seconds
         writer = parts = RowSink(PartWriter(out_dir, file_meta, per_part, every),
@@ -191,7 +265,8 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOpt
             if on_progress:
                 on_progress(s)
 
-        driver = Driver(cfg, RayWorkers(decoders, engines), stats.model, parts.add, stats, progress, started_at)
+        workers = DriverWorkers(decoders, early) if in_driver else RayWorkers(decoders, engines)
+        driver = Driver(cfg, workers, stats.model, parts.add, stats, progress, started_at)
         stats.startup = Startup(engine=list(described[0].startup))
         stream_start = clock.mark("writer")
         driver.run(clips)
@@ -204,9 +279,13 @@ def _run_locked(cfg: JobConfig, rows: list[Row], manifest: dict, options: RunOpt
             stats.startup.steps = steps
             stats.startup.total_s = sum(s.seconds for s in steps)
             stats.startup.overlapped = _decoders_ready(decoders, launched_wall)
+            if early is not None and early.ready_at is not None:
+                stats.startup.overlapped["engine_ready_s"] = early.ready_at - clock.origin
         if resume.replace:
             commit_retry(out_dir)
         stats.wall_s = time.perf_counter() - t0
+        if early is not None:
+            early.close()    # before Ray stops: a batch still answering may be resolving its payloads
         if started:
             stop_ray()
         if previous is not None:

@@ -61,6 +61,24 @@ class MlxEngine(EngineBase):
 
     name = "mlx"
     hides_torch = True   # its actor hides torch from transformers (see batchjob.engine.process_setup)
+    runs_in_driver = True  # MLX releases the GIL while the device computes: the driver's loop keeps going
+
+    @classmethod
+    def on_gpu(cls, model: ModelConfig) -> bool:
+        """Whether MLX will find a GPU that `model.device` allows, judged without importing MLX or touching a
+        device: the driver asks before Ray forks its processes, and a process holding a CUDA context forks
+        slowly. Apple silicon has Metal; elsewhere MLX's CUDA build must be installed and an NVIDIA GPU visible.
+        (A wrong guess costs only the placement: the engine itself still picks its device at load.)"""
+        import platform
+        import sys
+
+        if model.device == "cpu":
+            return False
+        if sys.platform == "darwin":
+            return platform.machine() == "arm64"
+        from batchjob.pipeline.placement import local_gpu_count
+
+        return local_gpu_count() > 0 and mlx_cuda_installed()
 
     @classmethod
     def input_preparer(cls, model: ModelConfig) -> MlxClipPreparer | None:
@@ -122,6 +140,17 @@ class MlxEngine(EngineBase):
             requests += [ClassifyRequest(q.row_id, engine_clip, q.text, q.options) for q in c.job.questions]
         return [Answer(r.request_id, r.choice, r.probs, r.prompt_tokens, r.cached_tokens, r.error)
                 for r in self._clf.classify(requests)]
+
+
+def mlx_cuda_installed() -> bool:
+    """MLX's CUDA backend is installed (the `mlx[cuda*]` extra brings a distribution named mlx-cuda-<version>)."""
+    from importlib import metadata
+
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith("mlx-cuda"):
+            return True
+    return False
 
 
 _THIS_MACHINE = "this machine"

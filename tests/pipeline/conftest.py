@@ -68,6 +68,12 @@ class DeterministicEngine(EngineBase):
         return out
 
 
+class DriverDeterministicEngine(DeterministicEngine):
+    """The same engine, allowed on a thread of the driver (`runtime.engine_placement: driver`)."""
+
+    runs_in_driver = True
+
+
 @pytest.fixture(scope="session")
 def isolated_network():
     """Ray probes 8.8.8.8 to find its address: tests that start Ray must run without a route off loopback."""

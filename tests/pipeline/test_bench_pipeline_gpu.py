@@ -142,7 +142,8 @@ def test_figures_have_stable_keys_and_ratios_and_survive_a_failed_method():
 
 def test_the_user_path_is_the_default_and_the_in_process_model_a_flag():
     args = bench.parse_args([])
-    assert args.methods.split(",") == ["first_run", "pyav_keyframes", "explicit_budget"] and args.clips >= 512
+    assert args.methods.split(",") == ["first_run", "pyav_keyframes", "explicit_budget", "cold_cache", "actor_engine"]
+    assert args.clips >= 512
     assert not args.in_process_model
     with pytest.raises(SystemExit):
         bench.parse_args(["--methods", "pyav_keyframes,ffmpeg"])
@@ -255,11 +256,13 @@ def test_smoke_run_end_to_end(tmp_path, monkeypatch):
     common = ["--smoke", "--clips", "3", "--distinct", "3", "--long-fraction", "0.5", "--hevc-fraction", "0.5",
               "--questions", "2", "--baseline-clips", "2", "--first-run-clips", "2", "--workers", "2",
               "--cache", str(tmp_path / "cache"), "--out", str(out), "--run-timeout-s", "300"]
-    bench.main(common + ["--methods", "first_run,pyav_keyframes,explicit_budget,baseline", "--explicit-budget-gb", "4"])
+    bench.main(common + ["--methods", "first_run,pyav_keyframes,explicit_budget,cold_cache,actor_engine,baseline",
+                         "--explicit-budget-gb", "4"])
     [path] = out.glob("pipeline-*-smoke.json")
     report = json.loads(path.read_text())
     assert report["complete"] is True and "nextqa" in report["shipped_config"]
-    assert set(report["methods"]) == {"first_run", "pyav_keyframes", "explicit_budget", "baseline"}
+    assert set(report["methods"]) == {"first_run", "pyav_keyframes", "explicit_budget", "cold_cache", "actor_engine",
+                                      "baseline"}
     for name, method in report["methods"].items():
         assert "error" not in method, (name, method.get("output_tail"))
         assert method["rows_per_s"] > 0
@@ -271,6 +274,13 @@ def test_smoke_run_end_to_end(tmp_path, monkeypatch):
     assert fig["budget"]["budget_source"].startswith("auto") and fig["startup_s"] > 0 and fig["load_s"] > 0
     assert 0 < fig["rows_per_s_vs_streaming"]["pyav_keyframes"] < 1 and fig["default_vs_explicit_budget"] > 0
     assert set(m["pyav_keyframes"]["startup_steps"]) >= {"ray_start", "engine_load", "first_answer"}
+    # No GPU here: `auto` keeps the engine in an actor, as the control run asks outright.
+    assert fig["engine_placement"] == {"first_run": "actors", "pyav_keyframes": "actors", "explicit_budget": "actors",
+                                       "cold_cache": "actors", "actor_engine": "actors", "baseline": None}
+    assert fig["startup_vs_actor_engine"] > 0
+    assert fig["cold_cache_plain_read_s"] > 0 and m["cold_cache"]["rows"] == 4
+    assert fig["cold_cache_startup_over_plain_read_s"] == pytest.approx(
+        m["cold_cache"]["startup_s"] - fig["cold_cache_plain_read_s"])
     assert m["pyav_keyframes"]["decoder_rss_mb"] and m["pyav_keyframes"]["host_peak_mb"] > 0
     # The plan: short H.264, long H.264, short HEVC (HEVC spreads within each length class).
     assert report["dataset"]["long_clips"] == 1 and report["dataset"]["hevc_clips"] == 1
