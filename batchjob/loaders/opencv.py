@@ -17,7 +17,7 @@ from batchjob.loaders.errors import CorruptVideo, InvalidArgument, UnsupportedMe
 from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, open_video, stack_frames,
                                     visible_frame_count)
 from batchjob.loaders.picks import uniform_targets
-from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY, LoaderOption
+from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY
 from batchjob.loaders.request import FPS_OPTION, FrameRequest
 from batchjob.loaders.vllm_bridge import register_with_vllm
 

@@ -20,7 +20,7 @@ import numpy as np
 from batchjob.loaders.keyframes import USE_INDEX_OPTION, list_keyframes
 from batchjob.loaders.media import (ClipFacts, Source, describe, ffmpeg_errors, nominal_fps, open_video, pts_seconds,
                                    stack_frames)
-from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY, LoaderOption
+from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY
 from batchjob.loaders.request import FPS_OPTION, FrameRequest
 from batchjob.loaders.sampling import keyframe_frames, require_keyframes
 from batchjob.loaders.vllm_bridge import register_with_vllm

@@ -94,15 +94,45 @@ def run_job(cfg: JobConfig, options: RunOptions = RunOptions(), *,
     clock.mark("launch")     # the interpreter, the CLI's imports (and its BLAS re-exec)
     started_at = datetime.now(timezone.utc)
     placement = plan_placement(cfg, options.owns_process)
-    prepared = _prepare(cfg, options, clock)
-    if prepared.clips:   # the disk reads the weights while Ray starts (pipeline/readahead.py)
-        from batchjob.pipeline.readahead import warm_page_cache, weight_files
-
-        warm_page_cache(weight_files(cfg.model.checkpoint))
+    early = _start_engine_early(cfg, options, placement) if placement.in_driver else None
     try:
-        return _run_prepared(cfg, prepared, options, t0, started_at, on_start, on_progress, clock, placement)
+        prepared = _prepare(cfg, options, clock)
+        if prepared.clips and early is None:   # the disk reads the weights while Ray starts (pipeline/readahead.py)
+            from batchjob.pipeline.readahead import warm_page_cache, weight_files
+
+            warm_page_cache(weight_files(cfg.model.checkpoint))
+        try:
+            return _run_prepared(cfg, prepared, options, t0, started_at, on_start, on_progress, clock, placement,
+                                 early)
+        finally:
+            os.close(prepared.lock_fd)
     finally:
-        os.close(prepared.lock_fd)
+        if early is not None:
+            early.close()
+
+
+def _start_engine_early(cfg: JobConfig, options: RunOptions, placement: Placement) -> DriverEngine | None:
+    """The driver's engine loading from launch, beside the checks, the scan and Ray's start; None when the
+    plan cannot be known yet (a config problem the checks will name)."""
+    import math
+
+    from batchjob.config import ConfigError
+    from batchjob.engine.memory_budget import host_ram_bytes
+    from batchjob.pipeline.placement import local_gpu_count
+    from batchjob.pipeline.resources import (Resources, cpus_to_start, host_reserved_bytes, local_cpus,
+                                             resolve_runtime)
+
+    model = cfg.model
+    if model.host_reserved_gb is None:   # what the decoders and Ray's store will hold, as the plan will say
+        one = single_replica(cfg)
+        try:
+            plan = resolve_runtime(one, Resources(cpus=max(local_cpus(), math.ceil(cpus_to_start(one))),
+                                                  gpus=local_gpu_count()))
+        except ConfigError:
+            return None
+        reserved = host_reserved_bytes(plan.decoders, cfg.runtime.frames_in_flight, host_ram_bytes())
+        model = model.model_copy(update={"host_reserved_gb": reserved / 2**30})
+    return DriverEngine(model, cfg.prompt, placement, cpus=cfg.runtime.engine_cpus, process_wide=options.owns_process)
 
 
 @dataclass
@@ -183,7 +213,7 @@ def _engine_error(cfg: JobConfig, err: BaseException) -> EngineStartError:
 
 def _run_prepared(cfg: JobConfig, prepared: _Prepared, options: RunOptions, t0: float, started_at: datetime,
                   on_start: Callable[[RunStats], None] | None, on_progress: Callable[[RunStats], None] | None,
-                  clock: StepClock, placement: Placement) -> RunStats:
+                  clock: StepClock, placement: Placement, early: DriverEngine | None = None) -> RunStats:
     """From a prepared job to its last row: Ray, the engine, the decoders, the driver, the final flush."""
     import time
 
@@ -201,8 +231,7 @@ def _run_prepared(cfg: JobConfig, prepared: _Prepared, options: RunOptions, t0: 
     from batchjob.startup import Startup
 
     out_dir, fingerprint = Path(cfg.output.directory), cfg.fingerprint()
-    rows, manifest, resume, clips, stats = (prepared.rows, prepared.manifest, prepared.resume, prepared.clips,
-                                            prepared.stats)
+    manifest, resume, clips, stats = prepared.manifest, prepared.resume, prepared.clips, prepared.stats
     loader, n, kw = cfg.loader.name, cfg.loader.num_frames, cfg.loader.kwargs
     rt = cfg.runtime
     if on_start:
@@ -214,7 +243,6 @@ def _run_prepared(cfg: JobConfig, prepared: _Prepared, options: RunOptions, t0: 
     started = start_ray(rt.ray_address, cpus_to_start(single_replica(cfg) if in_driver else cfg),
                         object_store_bytes(rt.frames_in_flight, host_ram_bytes()))
     clock.mark("ray_start")
-    early: DriverEngine | None = None
     previous = _catch_sigterm()
     driver: Driver | None = None
     stream_start: float | None = None
@@ -229,9 +257,9 @@ def _run_prepared(cfg: JobConfig, prepared: _Prepared, options: RunOptions, t0: 
         if model.host_reserved_gb is None:   # the decoders and the object store share the engine's memory
             reserved = host_reserved_bytes(plan.decoders, rt.frames_in_flight, host_ram_bytes())
             model = model.model_copy(update={"host_reserved_gb": reserved / 2**30})
-        if in_driver:   # loads on its thread while the decoders start
+        if in_driver and early is None:   # loads on its thread while the decoders start
             early = DriverEngine(model, cfg.prompt, placement, cpus=rt.engine_cpus, process_wide=options.owns_process)
-        else:
+        elif not in_driver:
             engines = make_engines(plan.engines, plan.engine_cpus, model, cfg.prompt, plan.engine_gpus)
         decoders = make_decoders(plan.decoders, plan.decode_cpus, loader, n, kw,
                                  engine_cls.input_preparer(cfg.model), remote_options(rt))

@@ -9,7 +9,7 @@ import pytest
 from batchjob.config import ModelConfig
 from batchjob.engine import load_vision_settings, preprocess_video
 from batchjob.engine.patchify import normalize_bytes, normalize_table
-from batchjob.contract import ClipMetadata, EngineBase
+from batchjob.contract import ClipMetadata
 from batchjob.pipeline import engines
 from batchjob.pipeline.engines import input_preparer as clip_preparer
 from batchjob.pipeline.mlx_engine import MlxClipPreparer
