@@ -192,25 +192,6 @@ def _shape(rng: np.random.Generator, colour: str, size: float, window: tuple[flo
                  window or (0.0, 1.0))
 
 
-def _place(rng: np.random.Generator, specs: list, aspect: float, motion: str) -> list[Shape] | None:
-    """Shapes for (colour, size, window) specs that never touch, or None. "span" draws them all at once (the
-    earlier scenes' draws); "wrap" places them one by one, redrawing a shape that would touch one already
-    placed (lanes are scarce: drawn all at once, three shapes rarely fit and "three" would be rare)."""
-    if motion == "span":
-        shapes = [_shape(rng, colour, size, window, aspect, motion) for colour, size, window in specs]
-        return shapes if all(_apart(a, b, aspect) for i, a in enumerate(shapes) for b in shapes[i + 1:]) else None
-    placed: list[Shape] = []
-    for colour, size, window in specs:
-        for _ in range(50):
-            shape = _shape(rng, colour, size, window, aspect, motion)
-            if all(_apart(shape, other, aspect) for other in placed):
-                placed.append(shape)
-                break
-        else:
-            return None
-    return placed
-
-
 def random_scene(rng: np.random.Generator, aspect: float = 16 / 9, *, order: bool | None = None,
                  motion: str | None = None) -> Scene:
     """A scene drawn from the training distribution (see the module docstring); `order=True` draws one with
@@ -232,8 +213,8 @@ def random_scene(rng: np.random.Generator, aspect: float = 16 / 9, *, order: boo
             moves = [True] + [False] * (n - 1)
         starts = [int(i) for i in rng.permutation([i for i, m in enumerate(moves) if m])]  # who moves when
         windows = dict(zip(starts, _windows(rng, len(starts), motion)))
-        shapes = _place(rng, [(colours[i], sizes[i], windows.get(i)) for i in range(n)], aspect, motion)
-        if shapes:
+        shapes = [_shape(rng, colours[i], sizes[i], windows.get(i), aspect, motion) for i in range(n)]
+        if all(_apart(a, b, aspect) for i, a in enumerate(shapes) for b in shapes[i + 1:]):
             tint = rng.integers(-12, 13, size=3)
             base = int(rng.integers(25, 110))
             background = tuple(int(np.clip(base + t, 0, 255)) for t in tint)
