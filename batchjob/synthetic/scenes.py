@@ -27,7 +27,7 @@ to see, not to match option text, and a wrong answer is a wrong look at the vide
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -67,7 +67,9 @@ class Shape:
     direction: str | None          # None: stands still
     travel: float                  # distance covered, as a fraction of the frame's width (x) or height (y)
     window: tuple[float, float]    # the part of the clip (fractions of its duration) during which it moves
-    lap: float | None = None       # "wrap": length of the horizontal loop its centre runs on (width fractions)
+    # "wrap": length of the horizontal loop its centre runs on (width fractions): 1 + size / the scene's aspect,
+    # so left out of the repr (clip digests of "span" scenes stay what they were)
+    lap: float | None = field(default=None, repr=False)
 
     def centre(self, u: float) -> tuple[float, float]:
         """Centre at clip fraction `u` (0 = first frame, 1 = the end)."""
