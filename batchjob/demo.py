@@ -25,11 +25,12 @@ def demo_dir(cache: str | os.PathLike | None = None) -> Path:
 
 
 def build_scene_clips(root: Path, num_clips: int, seed: int = 0,
-                      gop_kinds: tuple[str, ...] = tuple(GOP_KINDS)) -> list[dict]:
+                      gop_kinds: tuple[str, ...] = tuple(GOP_KINDS), motion: str | None = None) -> list[dict]:
     """Encode `num_clips` scenes (GOP kinds in turn by pairs, every other clip with two or more movers) under `root`
     and return the manifest records: one per question the scene supports, `category` = the question kind,
     `gop` = the clip's GOP kind. Clips already there (same name) are kept: names carry the seed and a digest of
-    the scene and its encoding, so a cache made by another version's scenes is never reused."""
+    the scene and its encoding, so a cache made by another version's scenes is never reused. `motion`: how the
+    movers move (`scenes.MOTIONS`; draw them as the model answering was trained, `demo_model.trained_motion`)."""
     import numpy as np
 
     from batchjob.synthetic.clips import make_scene_clip
@@ -42,7 +43,7 @@ def build_scene_clips(root: Path, num_clips: int, seed: int = 0,
     records = []
     for i in range(num_clips):
         gop = gop_kinds[(i // 2) % len(gop_kinds)]     # every GOP kind gets clips with and without order
-        scene = random_scene(rng, width / height, order=bool(i % 2))
+        scene = random_scene(rng, width / height, order=bool(i % 2), motion=motion)
         seconds = round(float(rng.uniform(*SECONDS)) * FPS) / FPS
         clip_seed = int(rng.integers(2**31))
         digest = clip_digest(scene, seconds, FPS, width, height, clip_seed, GOP_KINDS[gop])
@@ -95,13 +96,13 @@ def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 16, mode
 
     `model_type` picks the tiny model's family (qwen2_5_vl, qwen3_vl, qwen3_vl_moe); only the checkpoint
     path (and, for Qwen3-VL, the pixel budget, which bounds the whole clip there) differ in the config."""
-    from batchjob.demo_model import RECIPES
+    from batchjob.demo_model import RECIPES, trained_motion
 
     root = demo_dir(cache)
     root.mkdir(parents=True, exist_ok=True)
     model = "model" if model_type == "qwen2_5_vl" else f"model-{model_type}"
     ensure_demo_checkpoint(root / model, model_type)
-    records = build_scene_clips(root / "clips", num_clips, seed)
+    records = build_scene_clips(root / "clips", num_clips, seed, motion=trained_motion(model_type))
     (root / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text = resources.files("batchjob").joinpath("assets/demo.yaml").read_text()
     if model_type != "qwen2_5_vl":

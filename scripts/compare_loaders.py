@@ -34,14 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from batchjob.demo import build_scene_clips
-    from batchjob.demo_model import RECIPES, packaged_model_dir
+    from batchjob.demo_model import RECIPES, packaged_model_dir, trained_motion
     from batchjob.engine import Classifier
     from batchjob.loader_comparison import compare_loaders, html_page, markdown_table, to_json
 
     recipe = RECIPES[args.model_type]
     classifier = Classifier.from_pretrained(packaged_model_dir(args.model_type), recipe.engine_config)
     with tempfile.TemporaryDirectory() as tmp:
-        records = build_scene_clips(Path(tmp), args.clips, seed=args.seed)
+        records = build_scene_clips(Path(tmp), args.clips, seed=args.seed, motion=trained_motion(args.model_type))
         rows = compare_loaders(tmp, records, classifier, recipe.num_frames, args.loaders)
     about = f"{args.clips} clips (seed {args.seed}), {recipe.num_frames} frames, the {args.model_type} demo model"
     print(f"{about}; accuracy (questions)")

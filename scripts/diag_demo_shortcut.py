@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, help="default: the packaged demo model of --model-type")
     parser.add_argument("--clips", type=int, default=200)
     parser.add_argument("--seed", type=int, default=777)
+    parser.add_argument("--motion", default=None, help="the scenes' motion (default: the one the checkpoint's "
+                        "training.json records; 'span' for a record from before motions had names)")
     args = parser.parse_args(argv)
+
+    import json
 
     import numpy as np
 
@@ -36,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
     recipe = RECIPES[args.model_type]
     path = args.checkpoint or packaged_model_dir(args.model_type)
+    record = path / "training.json"
+    motion = args.motion or (json.loads(record.read_text()).get("motion", "span") if record.is_file() else None)
     prep = EnginePrep(path, recipe.engine_config)
     model = load_for_training(path, prep.family)
     views = {"uniform": lambda f: f, "first x8": lambda f: np.repeat(f[:1], len(f), 0),
@@ -43,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     right: dict[str, dict[str, list[bool]]] = {v: {"direction": [], "order": []} for v in views}
     rng = np.random.default_rng(args.seed)
     for c in range(args.clips):
-        scene, frames, meta = sample_clip(rng, recipe.num_frames, order=bool(c % 2))
+        scene, frames, meta = sample_clip(rng, recipe.num_frames, order=bool(c % 2), motion=motion)
         questions = [q for q in questions_for(scene) if q.kind in ("direction", "order")]
         for view, pick in views.items():
             inputs = prep.clip_inputs(np.ascontiguousarray(pick(frames)), meta)
@@ -51,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                               for q in questions]))
             for q, row in zip(questions, logits):
                 right[view][q.kind].append(bool(row[:len(q.options)].argmax() == q.answer))
-    print(f"{path}: {args.clips} fresh clips (seed {args.seed}); accuracy (questions)")
+    print(f"{path}: {args.clips} fresh clips (seed {args.seed}, motion {motion}); accuracy (questions)")
     print("| frames | direction | order |\n|---|---|---|")
     for view, kinds in right.items():
         print(f"| {view} | " + " | ".join(f"{np.mean(v):.3f} ({len(v)})" for v in kinds.values()) + " |")

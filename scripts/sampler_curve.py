@@ -122,13 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     from benchlib.env import environment, results_path, save_json
     from benchlib.scene_gops import ScenePlan, build_scene_set, gop_label
 
-    from batchjob.demo_model import RECIPES, packaged_model_dir
+    from batchjob.demo_model import RECIPES, packaged_model_dir, trained_motion
     from batchjob.engine import Classifier, ClassifyRequest, Clip
     from batchjob.loaders import load_video
 
     plan = ScenePlan(width, height, args.seconds, args.fps, tuple(args.gops), args.seed)
     t0 = time.perf_counter()
-    records = build_scene_set(args.cache, plan, args.scenes, args.workers)
+    records = build_scene_set(args.cache, plan, args.scenes, args.workers, motion=trained_motion("qwen2_5_vl"))
     encode_s = time.perf_counter() - t0
     recipe = RECIPES["qwen2_5_vl"]
     classifier = Classifier.from_pretrained(packaged_model_dir("qwen2_5_vl"), recipe.engine_config)

@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MOTIONS = ("wrap", "span")      # batchjob.synthetic.scenes.MOTIONS (parsed before the package is importable)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the model's recipe)")
     parser.add_argument("--short", action="store_true", help="a few steps (CI): checks that the loss falls")
     parser.add_argument("--eval-clips", type=int, default=None, help="fresh clips for the final accuracy")
+    parser.add_argument("--motion", default=None, choices=MOTIONS,
+                        help="how the scenes' movers move (batchjob.synthetic.scenes; default: the recipe's)")
     args = parser.parse_args(argv)
 
     from batchjob.demo_model import RECIPES, packaged_model_dir
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         del given[given.index("--out"):given.index("--out") + 2]
     given = [a for a in given if not a.startswith("--out=")]
     record = train(out, recipe, seed=args.seed, steps=steps, eval_clips=eval_clips, short=args.short,
-                   command=" ".join(["scripts/train_demo_model.py", *given]))
+                   command=" ".join(["scripts/train_demo_model.py", *given]), motion=args.motion or recipe.motion)
     if args.short:
         first, last = record["fixed_batch_loss"]
         print(f"loss on a fixed batch: {first:.4f} -> {last:.4f}")
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: bool, command: str) -> dict:
+def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: bool, command: str,
+          motion: str) -> dict:
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -76,7 +80,7 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
     model = load_for_training(tmp, prep.family)
     mx.random.seed(seed)
     fixed = sample_batch(prep, np.random.default_rng(seed + 1), 16, recipe.num_frames, recipe.one_question,
-                         recipe.kind_weights)
+                         recipe.kind_weights, motion)
     grids = fixed.grids[:recipe.clips_per_step]    # every clip has one size and frame count: one grid, one shape
 
     warmup = max(1, min(recipe.warmup, steps // 10))
@@ -100,7 +104,7 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
 
     curve, before, running = [], fixed_loss(), []
     stream = batch_stream(tmp, recipe.engine_config, seed, recipe.clips_per_step, recipe.num_frames, steps,
-                          recipe.one_question, recipe.kind_weights)
+                          recipe.one_question, recipe.kind_weights, motion)
     for step, batch in enumerate(stream, 1):
         if batch.grids != grids:
             raise RuntimeError(f"batch grids {batch.grids} differ from {grids}: the compiled step assumes one")
@@ -120,12 +124,13 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
     record = {"model_type": recipe.model_type, "seed": seed, "steps": steps, "command": command,
               "clips_per_step": recipe.clips_per_step, "num_frames": recipe.num_frames,
               "engine": {"max_pixels": recipe.engine_config.max_pixels, "dtype": recipe.engine_config.dtype},
-              "kind_weights": recipe.kind_weights, "lr": recipe.lr,
+              "kind_weights": recipe.kind_weights, "lr": recipe.lr, "motion": motion,
               "mlx": mx.__version__, "threads": os.environ.get("OMP_NUM_THREADS"), "openblas": _openblas_loaded(),
               "fixed_batch_loss": [round(before, 5), round(after, 5)], "curve": curve}
     if eval_clips:       # every question of every clip: 1200 clips put a kind's accuracy within about +-1%
         eval_rng = np.random.default_rng(seed + 2)
-        batches = [sample_batch(prep, eval_rng, recipe.clips_per_step, recipe.num_frames, one_question=False)
+        batches = [sample_batch(prep, eval_rng, recipe.clips_per_step, recipe.num_frames, one_question=False,
+                                motion=motion)
                    for _ in range(max(1, eval_clips // recipe.clips_per_step))]
         record["accuracy"] = accuracy_by_kind(model, prep, batches)
         record["eval_clips"] = len(batches) * recipe.clips_per_step

@@ -2,9 +2,19 @@
 
 A scene is 1-3 shapes (square or disc, distinct colours) on a textured, noisy background. The biggest shape
 always moves; with two or more shapes, others may move too, one after another (never at the same time), so
-"which moved first" has one answer. Each mover travels in a straight line (left, right, up or down) during its
-own window of the clip and stands still before and after it. Positions are a pure function of the clip's
-time, so a scene renders at any frame rate, size or sampling, and a clip encoded from it has the same answers.
+"which moved first" has one answer. Each mover travels in a straight line (left or right) during its own
+window of the clip and stands still before and after it. Positions are a pure function of the clip's time,
+so a scene renders at any frame rate, size or sampling, and a clip encoded from it has the same answers.
+
+How movers move (`MOTIONS`):
+- "wrap" (the default): the frame is a horizontal loop. A mover leaves at one edge and comes back in at the
+  other; its start is uniform over the loop (`Shape.lap`: the width plus its own, so it is never cut in two)
+  and it has a lane of its own (no other shape in its rows), so where it stands in any one frame is uniform
+  whatever its direction: only two frames in order tell the direction. It covers SPEED widths per clip, 0.11
+  to 0.21 of the width between two of eight uniformly sampled frames: seen in one pair of frames, far under
+  half the loop, so the shorter way round is the way it went.
+- "span" (the earlier scenes): a mover stays inside the frame and travels at least half the free width, so it
+  starts on the side opposite to where it goes, and one frame gives its direction away.
 
 Question kinds need different things from the video:
 - colour, count: one frame is enough;
@@ -17,7 +27,7 @@ to see, not to match option text, and a wrong answer is a wrong look at the vide
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,9 +49,13 @@ QUESTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
 VOCABULARY = tuple(q for q, _ in QUESTIONS.values()) + tuple(
     " ".join(opts) for _, opts in QUESTIONS.values()) + ("seconds shape shapes colour biggest moves first",)
 
-MIN_TRAVEL = 0.5     # of the free range along the axis: visible after any resize to a few dozen pixels
+MOTIONS = ("wrap", "span")
+MOTION = "wrap"
+MIN_TRAVEL = 0.5     # "span": of the free range along the axis: visible after any resize to a few dozen pixels
 MIN_WINDOW = 0.25    # of the clip: a mover spans at least two of eight uniformly sampled frames
-SINGLE_WINDOW = (0.25, 0.5)  # a lone mover moves fast: its motion shows inside one pair of sampled frames
+SINGLE_WINDOW = (0.25, 0.5)  # "span": a lone mover moves fast: its motion shows inside one pair of sampled frames
+WRAP_SINGLE_WINDOW = (0.5, 1.0)  # "wrap": a lone mover moves for half the clip or more (more pairs show it)
+SPEED = (0.8, 1.5)   # "wrap": widths per clip, so 0.11-0.21 of the width between adjacent of 8 uniform frames
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,9 @@ class Shape:
     direction: str | None          # None: stands still
     travel: float                  # distance covered, as a fraction of the frame's width (x) or height (y)
     window: tuple[float, float]    # the part of the clip (fractions of its duration) during which it moves
+    # "wrap": length of the horizontal loop its centre runs on (width fractions): 1 + size / the scene's aspect,
+    # so left out of the repr (clip digests of "span" scenes stay what they were)
+    lap: float | None = field(default=None, repr=False)
 
     def centre(self, u: float) -> tuple[float, float]:
         """Centre at clip fraction `u` (0 = first frame, 1 = the end)."""
@@ -61,7 +78,11 @@ class Shape:
         w0, w1 = self.window
         progress = min(1.0, max(0.0, (u - w0) / (w1 - w0)))
         dx, dy = DIRECTIONS[self.direction]
-        return self.start[0] + dx * self.travel * progress, self.start[1] + dy * self.travel * progress
+        x, y = self.start[0] + dx * self.travel * progress, self.start[1] + dy * self.travel * progress
+        if self.lap:      # the loop runs from half a shape left of the frame to half a shape right of it
+            edge = (self.lap - 1) / 2
+            x = (x + edge) % self.lap - edge
+        return x, y
 
 
 @dataclass(frozen=True)
@@ -119,7 +140,12 @@ def _boxes(shape: Shape, aspect: float, steps: np.ndarray) -> np.ndarray:
 
 
 def _apart(a: Shape, b: Shape, aspect: float, margin: float = 0.04) -> bool:
-    """True when the two shapes never touch (checked at 33 instants over the clip)."""
+    """True when the two shapes never touch (checked at 33 instants over the clip). A shape on a loop has a lane
+    of its own: no other shape in its rows, so no placement is refused for where along the loop it is (a refusal
+    that depended on it would tell the direction from one frame)."""
+    if a.lap or b.lap:
+        (ya, ha), (yb, hb) = (a.start[1], a.size / 2), (b.start[1], b.size / 2)
+        return abs(ya - yb) >= ha + hb + margin
     steps = np.linspace(0, 1, 33)
     ba, bb = _boxes(a, aspect, steps), _boxes(b, aspect, steps)
     overlap_x = (ba[:, 0] < bb[:, 2] + margin) & (bb[:, 0] < ba[:, 2] + margin)
@@ -127,10 +153,10 @@ def _apart(a: Shape, b: Shape, aspect: float, margin: float = 0.04) -> bool:
     return not np.any(overlap_x & overlap_y)
 
 
-def _windows(rng: np.random.Generator, movers: int) -> list[tuple[float, float]]:
+def _windows(rng: np.random.Generator, movers: int, motion: str) -> list[tuple[float, float]]:
     """Consecutive, non-overlapping motion windows inside the clip, each at least MIN_WINDOW long."""
     if movers == 1:
-        length = rng.uniform(*SINGLE_WINDOW)
+        length = rng.uniform(*(WRAP_SINGLE_WINDOW if motion == "wrap" else SINGLE_WINDOW))
         start = rng.uniform(0.0, 1.0 - length)
         return [(start, start + length)]
     lo, hi = 0.03, 0.97
@@ -145,12 +171,17 @@ def _windows(rng: np.random.Generator, movers: int) -> list[tuple[float, float]]
 
 
 def _shape(rng: np.random.Generator, colour: str, size: float, window: tuple[float, float] | None,
-           aspect: float) -> Shape:
+           aspect: float, motion: str) -> Shape:
     half_w, half_h = size / 2 / aspect, size / 2        # half size in width / height fractions
     direction = None if window is None else str(rng.choice(list(DIRECTIONS)))
     travel = 0.0
     x = rng.uniform(half_w, 1 - half_w)
     y = rng.uniform(half_h, 1 - half_h)
+    if direction is not None and motion == "wrap":      # start anywhere on the loop, whatever the direction
+        lap = 1 + 2 * half_w
+        travel = rng.uniform(*SPEED) * (window[1] - window[0])
+        return Shape(colour, str(rng.choice(SHAPES)), size, (float(rng.uniform(-half_w, 1 + half_w)), float(y)),
+                     direction, float(travel), window, float(lap))
     if direction is not None:
         dx, dy = DIRECTIONS[direction]
         lo, hi = (half_w, 1 - half_w) if dx else (half_h, 1 - half_h)
@@ -163,9 +194,14 @@ def _shape(rng: np.random.Generator, colour: str, size: float, window: tuple[flo
                  window or (0.0, 1.0))
 
 
-def random_scene(rng: np.random.Generator, aspect: float = 16 / 9, *, order: bool | None = None) -> Scene:
+def random_scene(rng: np.random.Generator, aspect: float = 16 / 9, *, order: bool | None = None,
+                 motion: str | None = None) -> Scene:
     """A scene drawn from the training distribution (see the module docstring); `order=True` draws one with
-    two or more movers (an order question exists), `False` one with a single mover, None either."""
+    two or more movers (an order question exists), `False` one with a single mover, None either; `motion` is
+    one of MOTIONS (default MOTION)."""
+    motion = motion or MOTION
+    if motion not in MOTIONS:
+        raise ValueError(f"unknown motion {motion!r}: use one of {', '.join(MOTIONS)}")
     for _ in range(1000):
         n = int(rng.integers(2, 4) if order else rng.integers(1, 4))
         colours = [str(c) for c in rng.permutation(list(PALETTE))[:n]]
@@ -178,8 +214,8 @@ def random_scene(rng: np.random.Generator, aspect: float = 16 / 9, *, order: boo
         elif order is False:
             moves = [True] + [False] * (n - 1)
         starts = [int(i) for i in rng.permutation([i for i, m in enumerate(moves) if m])]  # who moves when
-        windows = dict(zip(starts, _windows(rng, len(starts))))
-        shapes = [_shape(rng, colours[i], sizes[i], windows.get(i), aspect) for i in range(n)]
+        windows = dict(zip(starts, _windows(rng, len(starts), motion)))
+        shapes = [_shape(rng, colours[i], sizes[i], windows.get(i), aspect, motion) for i in range(n)]
         if all(_apart(a, b, aspect) for i, a in enumerate(shapes) for b in shapes[i + 1:]):
             tint = rng.integers(-12, 13, size=3)
             base = int(rng.integers(25, 110))

@@ -184,14 +184,15 @@ CLIP_SIZE = (256, 144)            # width, height: the demo clips' size (the eng
 SECONDS = (2.0, 6.0)
 
 
-def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None = None):
-    """A fresh scene and its frames as a uniform loader returns them: (scene, frames, metadata)."""
+def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None = None, motion: str | None = None):
+    """A fresh scene and its frames as a uniform loader returns them: (scene, frames, metadata); `motion` is
+    the scenes' (`scenes.MOTIONS`, default `scenes.MOTION`)."""
     from batchjob.loaders.media import ClipFacts
     from batchjob.loaders.picks import uniform_targets
     from batchjob.synthetic.scenes import background, random_scene, render
 
     width, height = CLIP_SIZE
-    scene = random_scene(rng, width / height, order=order)
+    scene = random_scene(rng, width / height, order=order, motion=motion)
     total = int(round(rng.uniform(*SECONDS) * FPS))
     indices = uniform_targets(total, num_frames)
     base = background(scene, width, height)
@@ -201,7 +202,8 @@ def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None
 
 
 def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_frames: int,
-                 one_question: bool = True, kind_weights: dict[str, float] | None = None) -> Batch:
+                 one_question: bool = True, kind_weights: dict[str, float] | None = None,
+                 motion: str | None = None) -> Batch:
     """`clips` fresh clips and questions about them: with `one_question`, one question per clip, the kinds in
     turn (each kind equally often; a clip asked the order question has two or more movers); otherwise every
     question each clip supports (every other clip with two or more movers). The prompt, not the video, is
@@ -211,7 +213,8 @@ def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_fra
     inputs, examples = [], []
     for c in range(clips):
         kind = KINDS[c % len(KINDS)]
-        scene, frames, metadata = sample_clip(rng, num_frames, order=kind == "order" if one_question else bool(c % 2))
+        scene, frames, metadata = sample_clip(rng, num_frames, order=kind == "order" if one_question else bool(c % 2),
+                                              motion=motion)
         inputs.append(prep.clip_inputs(frames, metadata))
         questions = questions_for(scene)
         if one_question:
@@ -225,11 +228,11 @@ def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_fra
 
 
 def _produce(queue, checkpoint: str, config: EngineConfig, seed: int, clips: int, num_frames: int, count: int,
-             one_question: bool, kind_weights: dict[str, float] | None):
+             one_question: bool, kind_weights: dict[str, float] | None, motion: str | None):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     prep, rng, parent = EnginePrep(checkpoint, config), np.random.default_rng(seed), os.getppid()
     for _ in range(count):
-        batch = sample_batch(prep, rng, clips, num_frames, one_question, kind_weights)
+        batch = sample_batch(prep, rng, clips, num_frames, one_question, kind_weights, motion)
         while True:
             try:
                 queue.put(batch, timeout=5)
@@ -240,13 +243,14 @@ def _produce(queue, checkpoint: str, config: EngineConfig, seed: int, clips: int
 
 
 def batch_stream(checkpoint: str | Path, config: EngineConfig, seed: int, clips: int, num_frames: int,
-                 count: int, one_question: bool = True, kind_weights: dict[str, float] | None = None) -> Iterator[Batch]:
+                 count: int, one_question: bool = True, kind_weights: dict[str, float] | None = None,
+                 motion: str | None = None) -> Iterator[Batch]:
     """`count` batches from `np.random.default_rng(seed)`, made by one worker process while the caller trains
     (the same batches, in the same order, as `sample_batch` calls in a loop)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue(maxsize=4)
     worker = ctx.Process(target=_produce, daemon=True, args=(queue, str(checkpoint), config, seed, clips, num_frames,
-                                                             count, one_question, kind_weights))
+                                                             count, one_question, kind_weights, motion))
     worker.start()
     try:
         for _ in range(count):

@@ -101,15 +101,17 @@ def _encode_one(job) -> None:
     encode_scene(*job)
 
 
-def build_scene_set(folder: Path, plan: ScenePlan, count: int, workers: int = 1) -> list[dict]:
+def build_scene_set(folder: Path, plan: ScenePlan, count: int, workers: int = 1,
+                    motion: str | None = None) -> list[dict]:
     """Encode (or reuse) `count` scenes at every GOP length of `plan`; one record per question and GOP variant:
     `video` (file name), `gop` (label), `scene`, `id`, `question`, `options`, `answer`, `category`.
-    Every other scene has two or more movers (an order question), as in the demo set."""
+    Every other scene has two or more movers (an order question), as in the demo set; `motion` is how movers
+    move (`scenes.MOTIONS`: as the model answering was trained)."""
     from batchjob.synthetic.scenes import questions_for, random_scene
 
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(plan.seed)
-    scenes = [random_scene(rng, plan.width / plan.height, order=bool(i % 2)) for i in range(count)]
+    scenes = [random_scene(rng, plan.width / plan.height, order=bool(i % 2), motion=motion) for i in range(count)]
     jobs = [(folder, plan, i, scene) for i, scene in enumerate(scenes)
             if not all((folder / plan.name(i, g, scene)).exists() for g in plan.gops)]
     if workers > 1 and len(jobs) > 1:

@@ -84,7 +84,7 @@ def test_short_training_lowers_the_loss(tmp_path):
 def test_committed_checkpoint_matches_its_training_record(model_type):
     """The packaged files hash to what the training script recorded, and the record holds what rebuilding
     needs (seed, command) and what the canary compares with (accuracy per kind, well above chance)."""
-    from batchjob.demo_model import checkpoint_files, checkpoint_sha256, packaged_model_dir
+    from batchjob.demo_model import RECIPES, checkpoint_files, checkpoint_sha256, packaged_model_dir
 
     path = packaged_model_dir(model_type)
     record = json.loads((path / "training.json").read_text())
@@ -93,6 +93,11 @@ def test_committed_checkpoint_matches_its_training_record(model_type):
     assert record["model_type"] == model_type and isinstance(record["seed"], int)
     assert record["command"].startswith("scripts/train_demo_model.py")
     assert ("--model-type qwen3_vl" in record["command"]) == (model_type == "qwen3_vl")
+    # rebuilding with the recorded command trains what the recipe says: the same scenes, steps and loss weights
+    recipe = RECIPES[model_type]
+    assert "--steps" not in record["command"] and "--motion" not in record["command"]
+    assert (record.get("motion", "span"), record["steps"], record["kind_weights"]) == (
+        recipe.motion, recipe.steps, recipe.kind_weights)
     assert set(record["accuracy"]) == {"colour", "count", "direction", "order"}
     # issue 20's bar on fresh clips of the training distribution, measured on enough clips to mean it (1200 clips:
     # 1200 questions per kind, 600 order questions; a standard error under 1%)

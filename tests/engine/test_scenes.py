@@ -2,6 +2,8 @@
 every draw, including draws that had to retry a placement."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -33,8 +35,6 @@ def test_a_cached_clips_name_changes_with_what_it_shows(tmp_path):
     """Cached demo and benchmark clips are named by `clip_digest`: the same scene and encoding give the same name
     (the cache is reused), another scene or encoding another name (an old video is never paired with new answers,
     as a seed-only name did once the scenes' drawing changed)."""
-    import dataclasses
-
     from batchjob.demo import build_scene_clips
     from batchjob.synthetic.scenes import clip_digest
 
@@ -51,3 +51,64 @@ def test_a_cached_clips_name_changes_with_what_it_shows(tmp_path):
     written = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.mp4")}
     assert build_scene_clips(tmp_path, 2, seed=seed % 1000) == first
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("*.mp4")} == written    # reused, not re-encoded
+
+
+def _ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical distributions."""
+    grid = np.sort(np.concatenate([a, b]))
+    cdf = lambda s: np.searchsorted(np.sort(s), grid, side="right") / len(s)  # noqa: E731
+    return float(np.abs(cdf(a) - cdf(b)).max())
+
+
+@pytest.mark.parametrize("motion", ["wrap", "span"])
+def test_one_frame_tells_a_wrapping_movers_direction_nothing(motion):
+    """Where the biggest shape stands in any one frame is distributed alike whatever its direction under "wrap"
+    (two-sample KS test at level 1e-4 per instant, fresh seed), and gives the direction away under "span" (the
+    test can tell)."""
+    from batchjob.synthetic.scenes import DIRECTIONS
+
+    rng = np.random.default_rng(int.from_bytes(np.random.bytes(4), "little"))
+    scenes = [random_scene(rng, 256 / 144, order=[None, True, False][i % 3], motion=motion) for i in range(1500)]
+    worst = 0.0
+    for u in (0.0, 0.3, 0.7, 1.0):
+        xy = {d: np.array([s.shapes[0].centre(u) for s in scenes if s.shapes[0].direction == d]) for d in DIRECTIONS}
+        left, right = xy["left"], xy["right"]
+        bound = np.sqrt(-np.log(1e-4 / 2) / 2) * np.sqrt((len(left) + len(right)) / (len(left) * len(right)))
+        for axis in (0, 1):
+            worst = max(worst, _ks_statistic(left[:, axis], right[:, axis]) / bound)
+    assert (worst < 1) == (motion == "wrap"), worst
+
+
+def test_a_wrapping_mover_goes_the_shorter_way_between_uniform_frames():
+    """Between two adjacent of 8 uniformly sampled frames (clips of 2-6 s at 10 fps), every mover's centre moves
+    the way it is said to go, the shorter way round its loop, by under half the loop; it stays whole (never
+    drawn on both edges at once) and the shapes' pixels never touch."""
+    from batchjob.loaders.picks import uniform_targets
+    from batchjob.synthetic.scenes import DIRECTIONS, PALETTE, background, render
+
+    rng = np.random.default_rng(int.from_bytes(np.random.bytes(4), "little"))
+    moved = 0
+    for i in range(300):
+        scene = random_scene(rng, 256 / 144, order=bool(i % 2), motion="wrap")
+        total = int(rng.integers(20, 61))
+        steps = [k / total for k in uniform_targets(total, 8)]
+        for shape in scene.movers:
+            lap, edge = shape.lap, (shape.lap - 1) / 2
+            xs = np.array([shape.centre(u)[0] for u in steps])
+            assert np.all((xs >= -edge) & (xs < 1 + edge))
+            step = (np.diff(xs) + lap / 2) % lap - lap / 2          # the shorter way round
+            assert np.all(np.abs(step) < lap / 2 * 0.5)
+            assert np.all(step * DIRECTIONS[shape.direction][0] >= -1e-9)
+            moved += int(np.sum(np.abs(step) > 0.05))
+        if i % 10 == 0:           # pixels: each shape's colour covers at most its own area (none cut in two,
+            w, h = 128, 72        # none hidden under another: its whole area when it is inside the frame)
+            base = background(scene, w, h)
+            for u in steps:
+                frame = render(dataclasses.replace(scene, noise=0.0), u, w, h, base=base).astype(int)
+                for shape in scene.shapes:
+                    cx = shape.centre(u)[0]
+                    half = shape.size / 2 / scene.aspect
+                    cols = np.nonzero((np.abs(frame - PALETTE[shape.colour]).sum(-1) == 0).any(0))[0]
+                    if -half < cx - half and cx + half < 1:
+                        assert cols.size and cols.max() - cols.min() <= shape.size * h + 2
+    assert moved > 300

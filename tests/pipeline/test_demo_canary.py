@@ -63,13 +63,13 @@ def test_bar_is_a_binomial_tail():
 def canary_run(request, tmp_path_factory, h, seed):
     """One `batchjob run` per model family over fresh clips, every question asked once per fault folder."""
     from batchjob.demo import build_scene_clips
-    from batchjob.demo_model import RECIPES, packaged_model_dir
+    from batchjob.demo_model import RECIPES, packaged_model_dir, trained_motion
 
     model, recipe = packaged_model_dir(request.param), RECIPES[request.param]
     if not (model / "training.json").is_file():
         pytest.fail(f"{model}: no trained demo model (scripts/train_demo_model.py writes it)")
     root = tmp_path_factory.mktemp("canary")
-    records = build_scene_clips(root / "clips" / "clean", CLIPS, seed=seed)
+    records = build_scene_clips(root / "clips" / "clean", CLIPS, seed=seed, motion=trained_motion(request.param))
     rows = []
     for fault in FAULTS:
         if fault != "clean":
