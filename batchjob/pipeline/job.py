@@ -78,12 +78,13 @@ def run_job(cfg: JobConfig, options: RunOptions = RunOptions(), *,
             on_progress: Callable[[RunStats], None] | None = None) -> RunStats:
     """Run (or resume) the job; rows already in the output are skipped. Returns this run's statistics.
 
-    The checks and the output scan come first (a refused config or a finished job never starts Ray), then Ray,
-    while a thread reads the weights into the page cache (pipeline/readahead.py). An engine in the driver
-    (pipeline/placement.py) starts loading the moment Ray is up, beside the decoders' start: not earlier,
-    because Ray starts each of its processes with fork + a Python pre-exec step, slow in a process that holds
-    the weights or a CUDA context and contended by the load's own Python work (on the H100: Ray's start took
-    8.6 s beside the load, 3.7 s alone)."""
+    The checks and the output scan come first (a refused config or a finished job never starts Ray), then Ray.
+    An engine in the driver (pipeline/placement.py) loads on its thread from launch, beside all of that: Ray's
+    start is slower beside it (Ray forks the driver for each of its processes, and the driver then holds the
+    weights: 5.3-8.1 s against 3.9-4.7 s alone on the H100) but the load is hidden, which won 1-3 s over an
+    actor loading after Ray. Refused or finished, such a run waits for the load's current step to end (its
+    clock marks are where it can stop). With engines in actors, a thread reads the weights' uncached pages
+    while Ray starts (pipeline/readahead.py)."""
     import time
 
     from batchjob.startup import seconds_since_launch
@@ -165,8 +166,8 @@ def _prepare(cfg: JobConfig, options: RunOptions, clock: StepClock) -> _Prepared
 
 
 def plan_placement(cfg: JobConfig, owns_process: bool = True) -> Placement:
-    """Where the engine runs (pipeline/placement.py); `auto` asks the engine whether it has a GPU here (for
-    MLX: its import and a device query), and keeps actors inside a caller's own program (`owns_process`
+    """Where the engine runs (pipeline/placement.py); `auto` asks the engine whether it has a GPU here (MLX
+    answers without touching a device), and keeps actors inside a caller's own program (`owns_process`
     False: a process that hosted MLX must end with os._exit, which only the CLI may decide). Actors when the
     config has a problem the checks will name next."""
     from batchjob.config import ConfigError
