@@ -89,11 +89,16 @@ def packaged_model_dir(model_type: str) -> Path:
 
 def trained_motion(model_type: str) -> str | None:
     """How the movers of the scenes the packaged `model_type` learned from move (`scenes.MOTIONS`), from its
-    training record: clips made for it (demo, canary, loader comparison) must be drawn the same way. A record
-    from before motions had names is "span"; no record (no trained model) gives None, the scenes' default."""
+    training record: clips made for it (demo, canary, loader comparison) must be drawn the same way."""
+    return recorded_motion(packaged_model_dir(model_type))
+
+
+def recorded_motion(checkpoint: Path) -> str | None:
+    """The scenes' motion a trained checkpoint directory's record names. A record from before motions had names
+    is "span"; no record (no trained model) gives None, the scenes' default."""
     import json
 
-    record = packaged_model_dir(model_type) / RECORD
+    record = checkpoint / RECORD
     return json.loads(record.read_text()).get("motion", "span") if record.is_file() else None
 
 

@@ -30,18 +30,15 @@ def main(argv: list[str] | None = None) -> int:
                         "training.json records; 'span' for a record from before motions had names)")
     args = parser.parse_args(argv)
 
-    import json
-
     import numpy as np
 
-    from batchjob.demo_model import RECIPES, packaged_model_dir
+    from batchjob.demo_model import RECIPES, packaged_model_dir, recorded_motion
     from batchjob.synthetic.scenes import questions_for
     from batchjob.synthetic.trainer import EnginePrep, batch_logits, load_for_training, sample_clip
 
     recipe = RECIPES[args.model_type]
     path = args.checkpoint or packaged_model_dir(args.model_type)
-    record = path / "training.json"
-    motion = args.motion or (json.loads(record.read_text()).get("motion", "span") if record.is_file() else None)
+    motion = args.motion or recorded_motion(path)
     prep = EnginePrep(path, recipe.engine_config)
     model = load_for_training(path, prep.family)
     views = {"uniform": lambda f: f, "first x8": lambda f: np.repeat(f[:1], len(f), 0),

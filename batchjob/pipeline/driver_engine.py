@@ -21,7 +21,6 @@ from typing import Any, Callable, Hashable, Sequence
 
 from batchjob.config import ModelConfig, PromptConfig
 from batchjob.contract import BatchAnswers, EngineClip, EngineDescription
-from batchjob.pipeline.placement import Placement
 from batchjob.pipeline.workers import RayWorkers, TaskFailed, _first_line
 
 POLL_S = 0.005          # how often the driver looks at the engine's futures while it waits on Ray's objects
@@ -33,10 +32,9 @@ class DriverEngine:
 
     hosted = False   # set once any engine loaded in this process: the CLI then ends it with os._exit
 
-    def __init__(self, model: ModelConfig, prompt: PromptConfig, placement: Placement, *, cpus: float = 1.0,
+    def __init__(self, model: ModelConfig, prompt: PromptConfig, *, cpus: float = 1.0,
                  process_wide: bool = False, resolve: Callable[[list], list] | None = None):
         """`resolve` turns the payload handles into payloads on the engine's thread (default: `ray.get`)."""
-        self.placement = placement
         self._resolve = resolve
         self.started = time.perf_counter()
         self.ready_at: float | None = None        # perf_counter when the load finished
@@ -84,12 +82,6 @@ class DriverEngine:
                 future.set_exception(err)
 
     # -- the driver's side -----------------------------------------------------------------------------
-    def failed(self) -> BaseException | None:
-        """The load's error if it already failed (without waiting)."""
-        if self._ready.done():
-            return self._ready.exception()
-        return None
-
     def description(self) -> EngineDescription:
         """The loaded engine's description (waits for the load); re-raises the load's error."""
         return self._ready.result()

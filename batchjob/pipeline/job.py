@@ -115,31 +115,34 @@ def run_job(cfg: JobConfig, options: RunOptions = RunOptions(), *,
 def _start_engine_early(cfg: JobConfig, options: RunOptions, placement: Placement) -> DriverEngine | None:
     """The driver's engine loading from launch, beside the checks, the scan and Ray's start; None when the
     plan cannot be known yet (a config problem the checks will name)."""
-    import math
-
     from batchjob.config import ConfigError
-    from batchjob.engine.memory_budget import host_ram_bytes
     from batchjob.pipeline.placement import local_gpu_count
-    from batchjob.pipeline.resources import (Resources, cpus_to_start, host_reserved_bytes, local_cpus,
-                                             resolve_runtime)
+    from batchjob.pipeline.resources import Resources, cpus_to_start, local_ray_cpus, resolve_runtime
 
-    model = cfg.model
-    if model.host_reserved_gb is None:   # what the decoders and Ray's store will hold, as the plan will say
-        one = single_replica(cfg)
-        try:
-            plan = resolve_runtime(one, Resources(cpus=max(local_cpus(), math.ceil(cpus_to_start(one))),
-                                                  gpus=local_gpu_count()))
-        except ConfigError:
-            return None
-        reserved = host_reserved_bytes(plan.decoders, cfg.runtime.frames_in_flight, host_ram_bytes())
-        model = model.model_copy(update={"host_reserved_gb": reserved / 2**30})
-    return DriverEngine(model, cfg.prompt, placement, cpus=cfg.runtime.engine_cpus, process_wide=options.owns_process)
+    one = single_replica(cfg)
+    try:   # the plan a local Ray will give (its CPUs and the GPUs it will see), known before it starts
+        plan = resolve_runtime(one, Resources(cpus=local_ray_cpus(cpus_to_start(one)), gpus=local_gpu_count()))
+    except ConfigError:
+        return None
+    return DriverEngine(_reserve_host(cfg, plan.decoders), cfg.prompt, cpus=cfg.runtime.engine_cpus,
+                        process_wide=options.owns_process)
+
+
+def _reserve_host(cfg: JobConfig, decoders: int):
+    """The model config with `host_reserved_gb` set (unless the job set it): what the decoders and Ray's object
+    store hold of the engine's memory (one memory on Apple machines and CPUs)."""
+    from batchjob.engine.memory_budget import host_ram_bytes
+    from batchjob.pipeline.resources import host_reserved_bytes
+
+    if cfg.model.host_reserved_gb is not None:
+        return cfg.model
+    reserved = host_reserved_bytes(decoders, cfg.runtime.frames_in_flight, host_ram_bytes())
+    return cfg.model.model_copy(update={"host_reserved_gb": reserved / 2**30})
 
 
 @dataclass
 class _Prepared:
     """The job checked and its output scanned, under the output's lock: what Ray's side of the run needs."""
-    rows: list[Row]
     manifest: dict
     resume: ResumePlan
     clips: list
@@ -162,7 +165,7 @@ def _prepare(cfg: JobConfig, options: RunOptions, clock: StepClock) -> _Prepared
         os.close(lock_fd)
         raise
     clock.mark("output_scan")     # the lock, the resume scan of the output, the clip plan
-    return _Prepared(rows, manifest, resume, clips, stats, lock_fd)
+    return _Prepared(manifest, resume, clips, stats, lock_fd)
 
 
 def plan_placement(cfg: JobConfig, owns_process: bool = True) -> Placement:
@@ -226,8 +229,7 @@ def _run_prepared(cfg: JobConfig, prepared: _Prepared, options: RunOptions, t0: 
     from batchjob.pipeline.engines import resolve_engine
     from batchjob.pipeline.ray_runtime import start_ray, stop_ray
     from batchjob.pipeline.remote_inputs import remote_options
-    from batchjob.pipeline.resources import (cpus_to_start, host_reserved_bytes, object_store_bytes, ray_resources,
-                                             resolve_runtime)
+    from batchjob.pipeline.resources import cpus_to_start, object_store_bytes, ray_resources, resolve_runtime
     from batchjob.pipeline.workers import RayWorkers
     from batchjob.startup import Startup
 
@@ -254,12 +256,9 @@ def _run_prepared(cfg: JobConfig, prepared: _Prepared, options: RunOptions, t0: 
         plan = resolve_runtime(single_replica(cfg) if in_driver else cfg, ray_resources())  # `auto` -> numbers
         stats.decoders, stats.engines, stats.engine_gpus = plan.decoders, plan.engines, plan.engine_gpus
         engine_cls = resolve_engine(cfg.model.engine)
-        model = cfg.model
-        if model.host_reserved_gb is None:   # the decoders and the object store share the engine's memory
-            reserved = host_reserved_bytes(plan.decoders, rt.frames_in_flight, host_ram_bytes())
-            model = model.model_copy(update={"host_reserved_gb": reserved / 2**30})
+        model = _reserve_host(cfg, plan.decoders)
         if in_driver and early is None:   # loads on its thread while the decoders start
-            early = DriverEngine(model, cfg.prompt, placement, cpus=rt.engine_cpus, process_wide=options.owns_process)
+            early = DriverEngine(model, cfg.prompt, cpus=rt.engine_cpus, process_wide=options.owns_process)
         elif not in_driver:
             engines = make_engines(plan.engines, plan.engine_cpus, model, cfg.prompt, plan.engine_gpus)
         decoders = make_decoders(plan.decoders, plan.decode_cpus, loader, n, kw,

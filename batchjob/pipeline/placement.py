@@ -19,9 +19,6 @@ from pathlib import Path
 
 from batchjob.config import ConfigError, JobConfig
 
-PLACEMENTS = ("auto", "driver", "actors")
-
-
 @dataclass(frozen=True)
 class Placement:
     where: str           # "driver" | "actors"

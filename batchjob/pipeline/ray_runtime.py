@@ -7,7 +7,6 @@ asks for "local" explicitly. With an address the job joins that cluster and scal
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 
@@ -31,11 +30,11 @@ def start_ray(address: str | None, cpus_needed: float, object_store_memory: int 
     if address:
         ray.init(address=address, **quiet)
         return True
-    from batchjob.pipeline.resources import local_cpus
+    from batchjob.pipeline.resources import local_ray_cpus
 
     # Enough logical CPUs for every actor we ask for, even on a 2-core laptop: the OS shares the cores.
     # GPUs are left to Ray's own detection (it honours CUDA_VISIBLE_DEVICES), so engines can ask for them.
-    num_cpus = max(local_cpus(), math.ceil(cpus_needed))
+    num_cpus = local_ray_cpus(cpus_needed)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=object_store_memory, **quiet)
     return True

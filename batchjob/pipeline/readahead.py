@@ -1,10 +1,10 @@
 """The checkpoint's weights read from disk while the job starts.
 
-A night's first run often finds the checkpoint out of the page cache (other work filled it). The engine's load
-cannot begin before Ray is up (pipeline/job.py says why), but the disk can: from launch a thread reads the weight
-files once, so the load then copies them from memory. The pages are the kernel's, not this process's (one reused
-buffer), so Ray's fork of the driver stays cheap; where the files are cached already it costs a memory copy on a
-spare core.
+A night's first run often finds the checkpoint out of the page cache (other work filled it). An engine in an
+actor cannot begin its load before Ray is up, but the disk can: while Ray starts, a thread reads the weight
+files' uncached pages once, so the load then copies them from memory. The pages are the kernel's, not this
+process's (one reused buffer), so Ray's fork of the driver stays cheap; where the files are cached already it
+costs one probe per chunk. (An engine in the driver reads its weights itself from launch.)
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def cached(fd: int, offset: int) -> bool:
 def warm_page_cache(files: list[Path]) -> threading.Thread | None:
     """Read `files` once on a thread, into one reused buffer, so the kernel's page cache holds them when the
     load comes (POSIX_FADV_WILLNEED alone proved unreliable: on the GPU machine's file system a cold load still
-    read at disk speed). The thread waits in `readinto` (GIL released) and takes no lock Python's fork needs.
+    read at disk speed). The thread waits in `preadv` (GIL released) and takes no lock Python's fork needs.
     None when there is nothing to read."""
     if not files:
         return None
@@ -56,12 +56,10 @@ def warm_page_cache(files: list[Path]) -> threading.Thread | None:
             except OSError:
                 continue
             try:
-                offset = 0
-                while True:
+                size, offset = os.fstat(fd).st_size, 0
+                while offset < size:
                     if cached(fd, offset):   # a warm cache costs one probe per chunk, not a copy
                         offset += CHUNK
-                        if offset >= os.fstat(fd).st_size:
-                            break
                         continue
                     n = os.preadv(fd, [buf], offset)
                     if n <= 0:

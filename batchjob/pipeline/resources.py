@@ -108,6 +108,12 @@ def host_reserved_bytes(decoders: int, frames_in_flight: int, host_ram: int) -> 
     return decoders * DECODER_RESIDENT + object_store_bytes(frames_in_flight, host_ram)
 
 
+def local_ray_cpus(cpus_needed: float) -> int:
+    """The logical CPUs a private local Ray offers: the cores this process may use, or more when the actors
+    asked for need more (the OS then shares the cores)."""
+    return max(local_cpus(), math.ceil(cpus_needed))
+
+
 def ray_resources() -> Resources:
     """The CPUs and GPUs of the Ray instance this process is connected to."""
     import ray
