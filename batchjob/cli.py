@@ -352,7 +352,6 @@ def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets 
         page = output / f"{STEM}.html"
         if page.exists():
             out.print(f"loader comparison page: {page}", highlight=False)
-    out.print(f"results: batchjob report {output}", highlight=False)
     checks = check_demo_accuracy(config, model_type)
     if checks is not None:
         out.print("accuracy per kind against the model's training record (bar: recorded accuracy less a binomial "
@@ -365,6 +364,7 @@ def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets 
                       f"to the answer is broken (wrong frames, order, colours or positions); the canary "
                       f"tests/pipeline/test_demo_canary.py shows which", highlight=False)
             raise typer.Exit(1)
+    out.print(f"results: batchjob report {output}", highlight=False)
 
 
 @app.command()
