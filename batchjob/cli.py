@@ -333,7 +333,8 @@ def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets 
     try:
         check_demo_model_type(model_type, trained=compare_loaders)
     except ValueError as e:
-        hint = " (--compare-loaders needs a trained model: a random one's comparison is chance)" if compare_loaders else ""
+        hint = (" (--compare-loaders needs a trained model: a random one's comparison is chance)"
+                if compare_loaders else "")
         raise typer.BadParameter(f"{e}{hint}", param_hint="--model-type")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")   # everything is local; never wait on a hub lookup
     model_note = (f"trained {model_type} demo model" if is_trained(model_type)

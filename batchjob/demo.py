@@ -32,9 +32,10 @@ def build_scene_clips(root: Path, num_clips: int, seed: int = 0,
                       gop_kinds: tuple[str, ...] = tuple(GOP_KINDS), motion: str | None = None) -> list[dict]:
     """Encode `num_clips` scenes (GOP kinds in turn by pairs, every other clip with two or more movers) under `root`
     and return the manifest records: one per question the scene supports, `category` = the question kind,
-    `gop` = the clip's GOP kind, `motion` = how its movers move. Clips already there (same name) are kept: names carry the seed and a digest of
-    the scene and its encoding, so a cache made by another version's scenes is never reused. `motion`: how the
-    movers move (`scenes.MOTIONS`; draw them as the model answering was trained, `demo_model.trained_motion`)."""
+    `gop` = the clip's GOP kind, `motion` = how its movers move. Clips already there (same name) are kept: names
+    carry the seed and a digest of the scene and its encoding, so a cache made by another version's scenes is never
+    reused. `motion`: how the movers move (`scenes.MOTIONS`; draw them as the model answering was trained,
+    `demo_model.trained_motion`)."""
     import numpy as np
 
     from batchjob.synthetic.clips import make_scene_clip
@@ -142,17 +143,17 @@ def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 16, mode
                seed: int = 0) -> Path:
     """Build (or reuse) the demo assets and return the path of the demo's job config.
 
-    `model_type` picks the tiny model's family (`demo_model.DEMO_MODEL_TYPES`); the clips are drawn as its
-    model was trained (`demo_model.trained_motion`), and its config differs only in names, the pixel budget
-    and frames (`demo_config_text`)."""
-    from batchjob.demo_model import check_demo_model_type, trained_motion
+    `model_type` picks the tiny model's family (`demo_model.DEMO_MODEL_TYPES`); the clips are drawn as the
+    checkpoint the config names was trained (its recorded motion), and the config differs only in names, the
+    pixel budget and frames (`demo_config_text`)."""
+    from batchjob.demo_model import check_demo_model_type, recorded_motion
 
     check_demo_model_type(model_type)
     names = demo_names(model_type)
     root = demo_dir(cache)
     root.mkdir(parents=True, exist_ok=True)
-    ensure_demo_checkpoint(root / names.checkpoint, model_type)
-    records = build_scene_clips(root / "clips", num_clips, seed, motion=trained_motion(model_type))
+    checkpoint = ensure_demo_checkpoint(root / names.checkpoint, model_type)
+    records = build_scene_clips(root / "clips", num_clips, seed, motion=recorded_motion(checkpoint))
     (root / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     config = root / names.config
     config.write_text(demo_config_text(model_type))
@@ -160,23 +161,27 @@ def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 16, mode
 
 
 def check_demo_accuracy(config: Path, model_type: str = DEFAULT_MODEL_TYPE):
-    """The demo run's accuracy per question kind against its trained model's bar (`batchjob.demo_accuracy`);
-    None for a random-weight family (chance is all it has)."""
+    """The demo run's accuracy per question kind against the bar of the checkpoint that answered
+    (`batchjob.demo_accuracy`, from its training record); None for a random-weight family (chance is all it
+    has)."""
     from batchjob.config import load_config
     from batchjob.demo_accuracy import chance_per_kind, check_kinds
-    from batchjob.demo_model import RECORD, packaged_model_dir
+    from batchjob.demo_model import RECORD
     from batchjob.pipeline.report import summarize
 
-    if not is_trained(model_type):
+    cfg = load_config(config)
+    record = Path(cfg.model.checkpoint) / RECORD
+    if not is_trained(model_type) or not record.is_file():
         return None
     records = [json.loads(line) for line in (Path(config).parent / "manifest.jsonl").read_text().splitlines()
                if line.strip()]
-    recorded = json.loads((packaged_model_dir(model_type) / RECORD).read_text())["accuracy"]
-    summary = summarize(load_config(config).output.directory)
-    return check_kinds(summary["per_category"], recorded, chance_per_kind(records))
+    summary = summarize(cfg.output.directory)
+    return check_kinds(summary["per_category"], json.loads(record.read_text())["accuracy"],
+                       chance_per_kind(records))
 
 
-def compare_demo_loaders(config: Path, model_type: str = DEFAULT_MODEL_TYPE, loaders: tuple[str, ...] | None = None):
+def compare_demo_loaders(config: Path, model_type: str = DEFAULT_MODEL_TYPE,
+                         loaders: tuple[str, ...] | None = None):
     """The demo's clips decoded by each loader and answered by the demo model in this process
     (`batchjob.loader_comparison`); the table and (with plotly installed) its page are written into the demo
     job's output directory. Returns the rows."""

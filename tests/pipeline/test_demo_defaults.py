@@ -127,7 +127,8 @@ def test_default_demo_bars_sit_well_above_chance(tmp_path):
     pooled_level = bar(sum(recorded[k] * n[k] for k in n) / total, total)
     assert all(levels[k] > chance[k] for k in recorded), (levels, chance)
     rng = np.random.default_rng(int.from_bytes(np.random.bytes(4), "little"))
-    for broken, most in [((k,), 0.15) for k in recorded] + [(("direction", "order"), 0.01), (("colour", "order"), 0.01)]:
+    cases = [((k,), 0.15) for k in recorded] + [(("direction", "order"), 0.01), (("colour", "order"), 0.01)]
+    for broken, most in cases:
         right = {k: rng.binomial(n[k], chance[k] if k in broken else recorded[k], size=20_000) for k in n}
         passes = np.logical_and.reduce([right[k] / n[k] >= levels[k] for k in n]
                                        + [sum(right.values()) / total >= pooled_level])

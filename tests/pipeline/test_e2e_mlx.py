@@ -1,6 +1,7 @@
 """End to end with the real MLX engine: `batchjob demo --compare-loaders` (the default trained demo model,
-Qwen3-VL, and the Qwen2.5-VL one; synthetic clips) through the CLI, then the rows checked against the classifier called directly on
-the same clips, and the loader comparison against the job's own answers."""
+Qwen3-VL, and the Qwen2.5-VL one; synthetic clips) through the CLI, then the rows checked against the classifier
+called directly on the same clips, the loader comparison against the job's own answers, and the demo's printed
+accuracy check against a bar and chance computed here."""
 from __future__ import annotations
 
 import json
