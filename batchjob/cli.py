@@ -315,37 +315,57 @@ def loaders() -> None:
 def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets (default $BATCHJOB_CACHE or "
                                                           "~/.cache/batchjob)"),
          clips: int = typer.Option(16, min=1, help="number of synthetic clips (3 or 4 questions each)"),
-         model_type: str = typer.Option("qwen2_5_vl", help="tiny model family: qwen2_5_vl, qwen3_vl or "
-                                                           "qwen3_vl_moe"),
+         model_type: Optional[str] = typer.Option(None, help="tiny model family: qwen3_vl (the default; trained on "
+                                                  "clips whose motion no single frame shows), qwen2_5_vl (trained "
+                                                  "on clips where one frame gives direction away) or qwen3_vl_moe "
+                                                  "(random weights: chance)"),
          compare_loaders: bool = typer.Option(False, "--compare-loaders", help="then decode the demo's clips with "
                                               "each loader (pyav_keyframes, pyav_adaptive, opencv) and compare "
                                               "accuracy per question kind x GOP kind and decode ms per clip")) -> None:
-    """Run the whole pipeline on synthetic clips with the tiny demo model trained on such clips (built locally)."""
-    from batchjob.demo import build_demo, is_trained
+    """Run the whole pipeline on synthetic clips with the tiny demo model trained on such clips (built locally).
 
-    if model_type not in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
-        raise typer.BadParameter(f"{model_type!r}: choose qwen2_5_vl, qwen3_vl or qwen3_vl_moe",
-                                 param_hint="--model-type")
-    if compare_loaders and not is_trained(model_type):
-        raise typer.BadParameter(f"{model_type} has no trained demo model: its loader comparison would be chance",
-                                 param_hint="--compare-loaders")
+    Exits 1 when a trained model's accuracy on a question kind falls below what it reached at training time
+    (less a binomial margin): the chain from the file to the answer is then broken."""
+    from batchjob.demo import build_demo, check_demo_accuracy, demo_names, is_trained
+    from batchjob.demo_model import DEFAULT_MODEL_TYPE, check_demo_model_type
+
+    model_type = model_type or DEFAULT_MODEL_TYPE
+    try:
+        check_demo_model_type(model_type, trained=compare_loaders)
+    except ValueError as e:
+        hint = (" (--compare-loaders needs a trained model: a random one's comparison is chance)"
+                if compare_loaders else "")
+        raise typer.BadParameter(f"{e}{hint}", param_hint="--model-type")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")   # everything is local; never wait on a hub lookup
-    model_note = "trained demo model" if is_trained(model_type) else "random-weight model: answers are chance"
+    model_note = (f"trained {model_type} demo model" if is_trained(model_type)
+                  else f"random-weight {model_type} model: answers are chance")
     err.print(f"building demo assets ({model_note}, synthetic clips)...")
     config = build_demo(cache, clips, model_type)
     err.print(f"running {config}")
     _run(config, limit=None, output=None, restart=True, ray_address=None)
-    output = "output" if model_type == "qwen2_5_vl" else f"output-{model_type}"
+    output = config.parent / demo_names(model_type).output
     if compare_loaders:
         from batchjob.demo import compare_demo_loaders
         from batchjob.loader_comparison import STEM, markdown_table
 
         err.print("comparing loaders on the demo's clips (in this process)...")
         out.print(markdown_table(compare_demo_loaders(config, model_type)), highlight=False, markup=False)
-        page = config.parent / output / f"{STEM}.html"
+        page = output / f"{STEM}.html"
         if page.exists():
             out.print(f"loader comparison page: {page}", highlight=False)
-    out.print(f"results: batchjob report {config.parent / output}", highlight=False)
+    checks = check_demo_accuracy(config, model_type)
+    if checks is not None:
+        out.print("accuracy per kind against the model's training record (bar: recorded accuracy less a binomial "
+                  "margin a correct run misses with probability < 1e-4):", highlight=False, markup=False)
+        for c in checks:
+            out.print(f"  {c.describe()}", highlight=False, markup=False)
+        failed = [c.kind for c in checks if not c.passed]
+        if failed:
+            err.print(f"[bold red]demo accuracy below the bar:[/] {', '.join(failed)}: the chain from the file "
+                      f"to the answer is broken (wrong frames, order, colours or positions); the canary "
+                      f"tests/pipeline/test_demo_canary.py shows which", highlight=False)
+            raise typer.Exit(1)
+    out.print(f"results: batchjob report {output}", highlight=False)
 
 
 @app.command()

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from batchjob.demo_model import DEFAULT_MODEL_TYPE
 
 # Clip layout shared with the training data (`batchjob.synthetic.trainer`): size, frame rate, lengths.
 GOP_KINDS = {"gop0.5s": {"gop_seconds": 0.5}, "1key": {"single_keyframe": True}}
@@ -28,13 +32,14 @@ def build_scene_clips(root: Path, num_clips: int, seed: int = 0,
                       gop_kinds: tuple[str, ...] = tuple(GOP_KINDS), motion: str | None = None) -> list[dict]:
     """Encode `num_clips` scenes (GOP kinds in turn by pairs, every other clip with two or more movers) under `root`
     and return the manifest records: one per question the scene supports, `category` = the question kind,
-    `gop` = the clip's GOP kind. Clips already there (same name) are kept: names carry the seed and a digest of
-    the scene and its encoding, so a cache made by another version's scenes is never reused. `motion`: how the
-    movers move (`scenes.MOTIONS`; draw them as the model answering was trained, `demo_model.trained_motion`)."""
+    `gop` = the clip's GOP kind, `motion` = how its movers move. Clips already there (same name) are kept: names
+    carry the seed and a digest of the scene and its encoding, so a cache made by another version's scenes is never
+    reused. `motion`: how the movers move (`scenes.MOTIONS`; draw them as the model answering was trained,
+    `demo_model.trained_motion`)."""
     import numpy as np
 
     from batchjob.synthetic.clips import make_scene_clip
-    from batchjob.synthetic.scenes import clip_digest, questions_for, random_scene
+    from batchjob.synthetic.scenes import MOTION, clip_digest, questions_for, random_scene
     from batchjob.synthetic.trainer import CLIP_SIZE, FPS, SECONDS
 
     root.mkdir(parents=True, exist_ok=True)
@@ -55,11 +60,12 @@ def build_scene_clips(root: Path, num_clips: int, seed: int = 0,
             tmp.rename(root / name)
         for q in questions_for(scene):
             records.append({"id": f"s{seed}-clip{i:03d}-{q.kind}", "video": name, "question": q.text,
-                            "options": list(q.options), "answer": q.answer, "category": q.kind, "gop": gop})
+                            "options": list(q.options), "answer": q.answer, "category": q.kind, "gop": gop,
+                            "motion": motion or MOTION})
     return records
 
 
-def ensure_demo_checkpoint(model: Path, model_type: str = "qwen2_5_vl") -> Path:
+def ensure_demo_checkpoint(model: Path, model_type: str = DEFAULT_MODEL_TYPE) -> Path:
     """The packaged trained checkpoint copied to `model` (again when the package's differs), or, for a family
     with no trained checkpoint, a random one (its answers are chance).
 
@@ -90,32 +96,92 @@ def is_trained(model_type: str) -> bool:
     return (packaged_model_dir(model_type) / RECORD).is_file()
 
 
-def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 16, model_type: str = "qwen2_5_vl",
+@dataclass(frozen=True)
+class DemoNames:
+    """Where a model type's demo lives under the demo directory: the default model's plain names, another's
+    suffixed, so demos of several families share the clips' cache and never each other's output."""
+    checkpoint: str
+    config: str
+    output: str
+    job: str
+
+
+def demo_names(model_type: str) -> DemoNames:
+    suffix = "" if model_type == DEFAULT_MODEL_TYPE else f"-{model_type}"
+    return DemoNames(f"model{suffix}", f"demo{suffix}.yaml", f"output{suffix}", f"demo{suffix}")
+
+
+def demo_config_text(model_type: str) -> str:
+    """The packaged demo config (`assets/demo.yaml`, written for the default model) for `model_type`: its
+    names, and what its model was trained with (pixel budget, frames); a random-weight family gets a budget
+    of its own. The packaged file must hold the default model's recipe (a RuntimeError says what differs)."""
+    from batchjob.demo_model import RECIPES
+
+    names = demo_names(model_type)
+    trained = is_trained(model_type)
+    recipe = RECIPES[model_type] if trained else RECIPES[DEFAULT_MODEL_TYPE]
+    budget = recipe.max_pixels if trained else 65536
+    text = resources.files("batchjob").joinpath("assets/demo.yaml").read_text()
+    packaged = re.search(r"^  max_pixels: (\d+)", text, flags=re.M)
+    if not packaged or int(packaged.group(1)) != RECIPES[DEFAULT_MODEL_TYPE].max_pixels:
+        raise RuntimeError(f"batchjob/assets/demo.yaml: model.max_pixels must be the {DEFAULT_MODEL_TYPE} demo "
+                           f"model's {RECIPES[DEFAULT_MODEL_TYPE].max_pixels} (its recipe, demo_model.RECIPES)")
+    what = f"what the {model_type} demo model was trained with" if trained else "random weights: chance anyway"
+    budget_line = packaged.group(0) if model_type == DEFAULT_MODEL_TYPE else f"  max_pixels: {budget}  # {what}"
+    for pattern, line in ((r"^job: \S+", f"job: {names.job}"),
+                          (r"^  checkpoint: \S+", f"  checkpoint: {names.checkpoint}"),
+                          (r"^  max_pixels: \d+" + ("" if model_type == DEFAULT_MODEL_TYPE else ".*$"), budget_line),
+                          (r"^  num_frames: \d+", f"  num_frames: {recipe.num_frames}"),
+                          (r"^  directory: \S+", f"  directory: {names.output}")):
+        text, found = re.subn(pattern, line, text, count=1, flags=re.M)
+        if not found:
+            raise RuntimeError(f"batchjob/assets/demo.yaml has no line matching {pattern!r}: restore it from git")
+    return text
+
+
+def build_demo(cache: str | os.PathLike | None = None, num_clips: int = 16, model_type: str = DEFAULT_MODEL_TYPE,
                seed: int = 0) -> Path:
     """Build (or reuse) the demo assets and return the path of the demo's job config.
 
-    `model_type` picks the tiny model's family (qwen2_5_vl, qwen3_vl, qwen3_vl_moe); only the checkpoint
-    path (and, for Qwen3-VL, the pixel budget, which bounds the whole clip there) differ in the config."""
-    from batchjob.demo_model import RECIPES, trained_motion
+    `model_type` picks the tiny model's family (`demo_model.DEMO_MODEL_TYPES`); the clips are drawn as the
+    checkpoint the config names was trained (its recorded motion), and the config differs only in names, the
+    pixel budget and frames (`demo_config_text`)."""
+    from batchjob.demo_model import check_demo_model_type, recorded_motion
 
+    check_demo_model_type(model_type)
+    names = demo_names(model_type)
     root = demo_dir(cache)
     root.mkdir(parents=True, exist_ok=True)
-    model = "model" if model_type == "qwen2_5_vl" else f"model-{model_type}"
-    ensure_demo_checkpoint(root / model, model_type)
-    records = build_scene_clips(root / "clips", num_clips, seed, motion=trained_motion(model_type))
+    checkpoint = ensure_demo_checkpoint(root / names.checkpoint, model_type)
+    records = build_scene_clips(root / "clips", num_clips, seed, motion=recorded_motion(checkpoint))
     (root / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    text = resources.files("batchjob").joinpath("assets/demo.yaml").read_text()
-    if model_type != "qwen2_5_vl":
-        budget = RECIPES[model_type].max_pixels if is_trained(model_type) else 65536
-        text = text.replace("  checkpoint: model\n", f"  checkpoint: {model}\n").replace(
-            "max_pixels: 7056 ", f"max_pixels: {budget} ").replace("job: demo\n", f"job: demo-{model_type}\n").replace(
-            "directory: output\n", f"directory: output-{model_type}\n")
-    config = root / ("demo.yaml" if model_type == "qwen2_5_vl" else f"demo-{model_type}.yaml")
-    config.write_text(text)
+    config = root / names.config
+    config.write_text(demo_config_text(model_type))
     return config
 
 
-def compare_demo_loaders(config: Path, model_type: str = "qwen2_5_vl", loaders: tuple[str, ...] | None = None):
+def check_demo_accuracy(config: Path, model_type: str = DEFAULT_MODEL_TYPE):
+    """The demo run's accuracy per question kind against the bar of the checkpoint that answered
+    (`batchjob.demo_accuracy`, from its training record); None for a random-weight family (chance is all it
+    has)."""
+    from batchjob.config import load_config
+    from batchjob.demo_accuracy import chance_per_kind, check_kinds
+    from batchjob.demo_model import RECORD
+    from batchjob.pipeline.report import summarize
+
+    cfg = load_config(config)
+    record = Path(cfg.model.checkpoint) / RECORD
+    if not is_trained(model_type) or not record.is_file():
+        return None
+    records = [json.loads(line) for line in (Path(config).parent / "manifest.jsonl").read_text().splitlines()
+               if line.strip()]
+    summary = summarize(cfg.output.directory)
+    return check_kinds(summary["per_category"], json.loads(record.read_text())["accuracy"],
+                       chance_per_kind(records))
+
+
+def compare_demo_loaders(config: Path, model_type: str = DEFAULT_MODEL_TYPE,
+                         loaders: tuple[str, ...] | None = None):
     """The demo's clips decoded by each loader and answered by the demo model in this process
     (`batchjob.loader_comparison`); the table and (with plotly installed) its page are written into the demo
     job's output directory. Returns the rows."""

@@ -82,6 +82,23 @@ RECIPES = {
 }
 
 
+# The demo's model: Qwen3-VL answers direction from motion on "wrap" scenes (one frame repeated leaves it at
+# chance). Qwen2.5-VL learned direction only on "span" scenes, where one frame gives it away.
+DEFAULT_MODEL_TYPE = "qwen3_vl"
+# What `batchjob demo --model-type` takes: the trained families, and Qwen3-VL-MoE with random weights (chance).
+DEMO_MODEL_TYPES = ("qwen3_vl", "qwen2_5_vl", "qwen3_vl_moe")
+
+
+def check_demo_model_type(model_type: str, *, trained: bool = False) -> str:
+    """`model_type` if the demo can run it (`trained`: only families with a trained demo model), else a
+    ValueError that names the value and the choices."""
+    choices = tuple(RECIPES) if trained else DEMO_MODEL_TYPES
+    if model_type not in choices:
+        what = "trained demo model" if trained else "demo model type"
+        raise ValueError(f"{model_type!r} is not a {what}: use one of {', '.join(choices)}")
+    return model_type
+
+
 def packaged_model_dir(model_type: str) -> Path:
     """Where the packaged checkpoint of `model_type` lives (inside the installed package)."""
     return Path(str(resources.files("batchjob").joinpath(ASSETS, model_type)))
@@ -90,7 +107,7 @@ def packaged_model_dir(model_type: str) -> Path:
 def trained_motion(model_type: str) -> str | None:
     """How the movers of the scenes the packaged `model_type` learned from move (`scenes.MOTIONS`), from its
     training record: clips made for it (demo, canary, loader comparison) must be drawn the same way."""
-    return recorded_motion(packaged_model_dir(model_type))
+    return recorded_motion(packaged_model_dir(check_demo_model_type(model_type)))
 
 
 def recorded_motion(checkpoint: Path) -> str | None:

@@ -1,8 +1,9 @@
 """The product's trade-off, measured with the demo model: accuracy per question kind x GOP kind, and decode ms
 per clip, for each loader.
 
-    scripts/compare_loaders.py                         # 48 clips, seed 0, the three loaders
+    scripts/compare_loaders.py                         # 48 clips, seed 0, the three loaders, the default model
     scripts/compare_loaders.py --clips 96 --seed 3 --json out.json --html loaders.html
+    scripts/compare_loaders.py --model-type qwen2_5_vl  # the Qwen2.5-VL demo model on its own ("span") scenes
 
 Fresh demo clips (`batchjob.demo.build_scene_clips`: short GOPs and single-keyframe clips), each decoded by every
 loader with the demo's 8 frames and answered by the trained demo model (`batchjob.engine.Classifier`, the
@@ -22,19 +23,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from batchjob.demo_model import DEFAULT_MODEL_TYPE, RECIPES
     from batchjob.loader_comparison import LOADERS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clips", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model-type", default="qwen2_5_vl", choices=("qwen2_5_vl", "qwen3_vl"))
+    parser.add_argument("--model-type", default=DEFAULT_MODEL_TYPE, choices=tuple(RECIPES))
     parser.add_argument("--loaders", nargs="+", default=list(LOADERS))
     parser.add_argument("--json", type=Path, help="also write the table here")
     parser.add_argument("--html", type=Path, help="also write the table and its plot here (needs batchjob[report])")
     args = parser.parse_args(argv)
 
     from batchjob.demo import build_scene_clips
-    from batchjob.demo_model import RECIPES, packaged_model_dir, trained_motion
+    from batchjob.demo_model import packaged_model_dir, trained_motion
     from batchjob.engine import Classifier
     from batchjob.loader_comparison import compare_loaders, html_page, markdown_table, to_json
 

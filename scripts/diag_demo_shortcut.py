@@ -1,7 +1,7 @@
 """Diagnostic: how much of the demo model's direction and order accuracy one frame explains.
 
-    scripts/diag_demo_shortcut.py                              # the packaged Qwen2.5-VL demo model, 200 clips
-    scripts/diag_demo_shortcut.py --model-type qwen3_vl --clips 400
+    scripts/diag_demo_shortcut.py                              # the default (Qwen3-VL) demo model, 200 clips
+    scripts/diag_demo_shortcut.py --model-type qwen2_5_vl --clips 400
     scripts/diag_demo_shortcut.py --checkpoint /tmp/model      # a model trained with --out
 
 Fresh clips of the training distribution (`batchjob.synthetic.trainer.sample_clip`), answered through the
@@ -21,8 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from batchjob.demo_model import DEFAULT_MODEL_TYPE, RECIPES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-type", default="qwen2_5_vl", choices=("qwen2_5_vl", "qwen3_vl"))
+    parser.add_argument("--model-type", default=DEFAULT_MODEL_TYPE, choices=tuple(RECIPES))
     parser.add_argument("--checkpoint", type=Path, help="default: the packaged demo model of --model-type")
     parser.add_argument("--clips", type=int, default=200)
     parser.add_argument("--seed", type=int, default=777)
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
 
-    from batchjob.demo_model import RECIPES, packaged_model_dir, recorded_motion
+    from batchjob.demo_model import packaged_model_dir, recorded_motion
     from batchjob.synthetic.scenes import questions_for
     from batchjob.synthetic.trainer import EnginePrep, batch_logits, load_for_training, sample_clip
 

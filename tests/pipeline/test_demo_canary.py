@@ -13,35 +13,22 @@ of questions); each fault must drop the kinds it breaks (pooled) below the bar a
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from batchjob.demo_accuracy import MISS_PROBABILITY, bar
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("isolated_network")]
 
 HERE = Path(__file__).resolve().parent
 CLIPS = 48
-MISS_PROBABILITY = 1e-4
 FAULTS = ("clean", "reversed", "channels", "shuffled")   # folders canary_faults.py reads the fault from
 # what each fault breaks: reversed time flips direction and order; BGR swaps red and blue (colour, and the
 # order question, whose options are colours); shuffled frames scramble motion
 BROKEN = {"reversed": ("direction", "order"), "channels": ("colour",), "shuffled": ("direction", "order")}
-
-
-def bar(recorded: float, n: int) -> float:
-    """The lowest accuracy over `n` questions that a model of accuracy `recorded` falls below with probability
-    under MISS_PROBABILITY: the largest k/n with P(X < k) < MISS_PROBABILITY, X ~ Binomial(n, recorded)."""
-    tail, k = 0.0, 0
-    while k <= n:
-        p_k = math.comb(n, k) * recorded**k * (1 - recorded) ** (n - k)
-        if tail + p_k >= MISS_PROBABILITY:
-            break
-        tail += p_k
-        k += 1
-    return k / n
 
 
 def test_bar_is_a_binomial_tail():

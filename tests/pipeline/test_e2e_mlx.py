@@ -1,6 +1,7 @@
-"""End to end with the real MLX engine: `batchjob demo --compare-loaders` (the trained demo models for Qwen2.5-VL
-and Qwen3-VL; synthetic clips) through the CLI, then the rows checked against the classifier called directly on
-the same clips, and the loader comparison against the job's own answers."""
+"""End to end with the real MLX engine: `batchjob demo --compare-loaders` (the default trained demo model,
+Qwen3-VL, and the Qwen2.5-VL one; synthetic clips) through the CLI, then the rows checked against the classifier
+called directly on the same clips, the loader comparison against the job's own answers, and the demo's printed
+accuracy check against a bar and chance computed here."""
 from __future__ import annotations
 
 import json
@@ -32,10 +33,30 @@ def _check_loader_comparison(output, records, rows, summary, stdout):
         assert got[("pyav_adaptive", g)]["clips"] == len({v for v, k in gop.items() if k == g})
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def _check_accuracy_lines(records, summary, stdout, recorded):
+    """The demo's accuracy check, printed: each kind (and all pooled) against its bar at the recorded accuracy,
+    with chance from the options; a trained model's kinds all pass (the run exited 0)."""
+    from batchjob.demo_accuracy import bar
+
+    lines = " ".join(stdout.split())
+    assert "accuracy per kind against the model's training record" in lines, stdout
+    for kind, v in summary["per_category"].items():
+        options = [len(r["options"]) for r in records if r["category"] == kind]
+        chance = sum(1 / k for k in options) / len(options)
+        assert v["n"] == len(options) and v["accuracy"] > chance, (kind, v, chance)
+        assert f"{kind} {v['accuracy']:.4f} over {v['n']} >= bar {bar(recorded[kind], v['n']):.4f} " \
+               f"(recorded {recorded[kind]:.4f}, chance {chance:.2f})" in lines, (kind, stdout)
+    assert " all " in lines and "BELOW" not in lines, stdout
+
+
+@pytest.mark.parametrize("model_type", [None, "qwen2_5_vl"])     # None: the default (Qwen3-VL)
 def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isolated_network):
-    res = h.run_cli("demo", "--cache", str(tmp_path), "--clips", "6", "--model-type", model_type,
-                    "--compare-loaders", timeout=600)
+    from batchjob.demo import demo_names
+    from batchjob.demo_model import DEFAULT_MODEL_TYPE, packaged_model_dir
+
+    args = ("--model-type", model_type) if model_type else ()
+    model_type = model_type or DEFAULT_MODEL_TYPE
+    res = h.run_cli("demo", "--cache", str(tmp_path), "--clips", "6", *args, "--compare-loaders", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = " ".join(res.stdout.split())   # the table wraps long cells
     assert "memory budget" in summary and "auto: 75% of RAM, less" in summary and "KV" in summary, res.stdout
@@ -43,8 +64,9 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
     assert "host peak memory" in summary and "MB each" in summary, res.stdout   # the decoders' own peaks
     root = tmp_path / "demo"
     records = h.manifest_records(root / "manifest.jsonl")
-    suffix = "" if model_type == "qwen2_5_vl" else f"-{model_type}"
-    rows = h.read_rows(root / f"output{suffix}")
+    names = demo_names(model_type)
+    assert json.loads((root / names.checkpoint / "training.json").read_text())["model_type"] == model_type
+    rows = h.read_rows(root / names.output)
     assert sorted(r["row_id"] for r in rows) == sorted(r["id"] for r in records)
     per_clip = [sum(r["video"] == v for r in records) for v in sorted({r["video"] for r in records})]
     assert len(per_clip) == 6 and set(per_clip) <= {3, 4} and per_clip.count(4) >= 3   # order: 2+ movers
@@ -57,7 +79,7 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
 
     from batchjob.pipeline.output import read_file_metadata
 
-    engine = read_file_metadata(root / f"output{suffix}")["engine"]   # who answered, on what (issue 10)
+    engine = read_file_metadata(root / names.output)["engine"]   # who answered, on what (issue 10)
     assert engine["engine"] == "mlx" and engine["device"] == "cpu" and engine["dtype"] == "float32"
     assert engine["attention_backend"] == "portable" and engine["attention_reason"]
     memory = engine["memory"]     # the budget, where it came from and what it bought (issue 18)
@@ -66,22 +88,24 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
     assert 0 < memory["weights_bytes"] + memory["kv_bytes"] < memory["budget_bytes"]
     assert memory["budget_gb"] <= memory["device_memory_gb"]
 
-    rep = h.run_cli("report", str(root / f"output{suffix}"), "--json")
+    rep = h.run_cli("report", str(root / names.output), "--json")
     s = json.loads(rep.stdout)
     assert s["accuracy"] == pytest.approx(sum(r["correct"] for r in rows) / len(rows))
     assert s["rows"] == len(records) and s["errors"] == 0 and s["loaders"] == ["pyav_adaptive"]
     assert set(s["per_category"]) == {"colour", "count", "direction", "order"}
-    _check_loader_comparison(root / f"output{suffix}", records, rows, s, res.stdout)
+    _check_loader_comparison(root / names.output, records, rows, s, res.stdout)
     cells = " ".join(res.stdout.replace("│", " ").split())
     for cat, v in s["per_category"].items():      # the run summary prints the same per category
         assert f"{cat} {v['accuracy']:.4f} over {v['n']} rows" in cells, (cat, res.stdout)
+    recorded = json.loads((packaged_model_dir(model_type) / "training.json").read_text())["accuracy"]
+    _check_accuracy_lines(records, s, res.stdout, recorded)
 
     # Independent path: load the clip and ask the classifier directly, one question at a time.
     from batchjob.config import load_config
     from batchjob.engine import Classifier, ClassifyRequest, Clip, EngineConfig
     from batchjob.loaders import load_video
 
-    cfg = load_config(root / f"demo{suffix}.yaml")
+    cfg = load_config(root / names.config)
     clf = Classifier.from_pretrained(cfg.model.checkpoint, EngineConfig(
         dtype="float32", max_pixels=cfg.model.max_pixels, memory_budget_gb=1.0))
     for row in random.sample(rows, 3):

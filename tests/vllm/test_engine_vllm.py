@@ -128,7 +128,9 @@ def _write_job(path: Path, data: Path, checkpoint: Path, out: Path, engine: str)
     cfg["dataset"].update(annotation=str(data / "manifest.jsonl"), video_root=str(data / "clips"))
     # float32 for both: `dtype: auto` (the demo's) is each engine's own default, and vLLM's turns a float32
     # checkpoint into half precision (bfloat16 on a CPU), which moves the probabilities by ~1e-3.
-    cfg["model"].update(checkpoint=str(checkpoint), engine=engine, dtype="float32")
+    # max_pixels: the Qwen2.5-VL per-frame budget this test was written for (the demo config's is now the
+    # Qwen3-VL demo model's whole-clip budget)
+    cfg["model"].update(checkpoint=str(checkpoint), engine=engine, dtype="float32", max_pixels=7056)
     if engine == "vllm":
         cfg["model"]["vllm"] = {"max_model_len": 4096, "enforce_eager": True}
     cfg["output"].update(directory=str(out), rows_per_part=8)
