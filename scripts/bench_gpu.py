@@ -37,8 +37,10 @@ from benchlib.flops import request_flops, vision_flops_per_clip
 from benchlib.hf_baseline import transformers_baseline
 from benchlib.profile_lm import profile_lm
 from benchlib.profile_tower import profile_tower
+from benchlib.steps import step_timeline, summarize_steps
 from benchlib.timing import ms_per_call, timed
 from benchlib.workload import build_model, fresh, make_workload, prompt_ids
+from batchjob.engine.patchify import device_pixels
 from batchjob.synthetic.random_engine import SHAPES
 
 STABLE = ("mfu_lm_prefill", "mfu_lm_prefill_ragged", "mfu_vision", "wall_vs_ideal", "distinct8_vs_transformers_batched",
@@ -46,7 +48,8 @@ STABLE = ("mfu_lm_prefill", "mfu_lm_prefill_ragged", "mfu_vision", "wall_vs_idea
 PROFILE = ("lm_forwards_per_prefill", "lm_layer_ms", "lm_layer_matmuls_share", "lm_layer_attention_share",
            "lm_layer_other_share", "lm_outside_layers_share", "lm_host_build_share", "lm_host_syncs_in_layers",
            "vision_blocks_share", "vision_outside_blocks_share", "vision_other_share", "vision_host_syncs",
-           "mlx_vlm_vision_host_syncs")
+           "mlx_vlm_vision_host_syncs", "engine_steps", "engine_forward_share", "engine_vision_graph_host_s",
+           "engine_other_host_s")
 
 
 def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[dict, dict]:
@@ -95,7 +98,7 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
     # Vision tower: as the engine calls it (host pixels in, plan cached) vs mlx-vlm's forward; then the profile.
     inputs = workload[0].clip.inputs
     encode = ckpt.family.encode_video
-    v_ours = ms_per_call(lambda: encode(ckpt.model, inputs.pixel_values, grid, ckpt.dtype), 1, 5) / 1e3
+    v_ours = ms_per_call(lambda: encode(ckpt.model, device_pixels(inputs), grid, ckpt.dtype), 1, 5) / 1e3
     v_theirs = _mlx_vlm_tower_seconds(ckpt, inputs)
     v_flops = vision_flops_per_clip(grid, v_layers, model_type, dims)
     row["vision"] = {"ms_per_clip": v_ours * 1e3, "mlx_vlm_ms_per_clip": v_theirs * 1e3, "flops_per_clip": v_flops,
@@ -114,7 +117,7 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
         """The engine's LM path alone: vision features computed first and cached."""
         reqs = fresh(reqs, tag)
         for r in {r.clip.media_id: r for r in reqs}.values():
-            feats = encode(ckpt.model, r.clip.inputs.pixel_values, r.clip.inputs.grid_thw, ckpt.dtype)
+            feats = encode(ckpt.model, device_pixels(r.clip.inputs), r.clip.inputs.grid_thw, ckpt.dtype)
             mx.eval(feats)
             clf._features.put_clip(r.clip.media_id, feats)
         forwards.clear()
@@ -154,8 +157,8 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
     lap("lm_prefill")
     profiled = fresh(distinct, "prof")
     for r in profiled:
-        clf._features.put_clip(r.clip.media_id, encode(ckpt.model, r.clip.inputs.pixel_values, r.clip.inputs.grid_thw,
-                                                       ckpt.dtype))
+        feats = encode(ckpt.model, device_pixels(r.clip.inputs), r.clip.inputs.grid_thw, ckpt.dtype)
+        clf._features.put_clip(r.clip.media_id, feats)
     row["lm_profile"] = profile_lm(clf, profiled, dims, ceiling, inner=args.inner, repeats=args.repeats)
     for r in profiled:
         clf._features.release_clip(r.clip.media_id, 0, keep_tail=False)
@@ -169,6 +172,10 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
     results = []
     e2e_s, _ = timed(lambda: results.append(whole(workload, f"e2e{len(results)}")), args.repeats)
     res = results[0]
+    with step_timeline(clf) as log:   # one more run, step by step: where the wall time beyond the ideal goes
+        t0 = time.perf_counter()
+        whole(workload, "e2e-steps")
+        steps = summarize_steps(log, time.perf_counter() - t0)
     d_s, _ = timed(lambda: whole(distinct, f"d{time.perf_counter()}"), args.repeats)
     job_flops = sum(request_flops(r.prompt_tokens, r.cached_tokens, layers, dims) for r in res) + args.clips * v_flops
     d_flops = lm_flops + len(distinct) * v_flops   # the distinct clips' prompts as the LM prefill ran them
@@ -176,7 +183,8 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
     row["engine"] = {"requests": n, "wall_s": e2e_s, "requests_per_s": n / e2e_s,
                      "prefill_tokens_per_s": sum(r.prompt_tokens - r.cached_tokens for r in res) / e2e_s,
                      "job_flops": job_flops, "ideal_s": job_flops / ceiling, "distinct8_wall_s": d_s,
-                     "distinct8_requests_per_s": len(distinct) / d_s, "distinct8_ideal_s": d_flops / ceiling}
+                     "distinct8_requests_per_s": len(distinct) / d_s, "distinct8_ideal_s": d_flops / ceiling,
+                     "timeline": steps}
     print(f"[{model_type}] engine: {n} requests in {e2e_s:.2f} s ({n / e2e_s:.1f} req/s); ideal "
           f"{job_flops / ceiling:.2f} s; {len(distinct)} distinct clips {d_s:.2f} s", flush=True)
     lap("end_to_end")
@@ -198,7 +206,7 @@ def _mlx_vlm_tower_seconds(ckpt, inputs) -> float:
     """mlx-vlm's own tower forward on the same clip (device pixels; its window fix and the load-time swaps in)."""
     import mlx.core as mx
 
-    px = mx.array(inputs.pixel_values).astype(ckpt.dtype)
+    px = mx.array(device_pixels(inputs)).astype(ckpt.dtype)
     return ms_per_call(lambda: ckpt.model.vision_tower(px, mx.array([list(inputs.grid_thw)])), 1, 3) / 1e3
 
 
@@ -239,6 +247,13 @@ def figures(row: dict, ceil_m: float, ceil_t: float) -> dict:
         "wall_vs_ideal_torch_ceiling": eng["wall_s"] / (eng["job_flops"] / ceil_t),
         "distinct8_requests_per_s": eng["distinct8_requests_per_s"],
         "distinct8_wall_vs_ideal": eng["distinct8_wall_s"] / eng["distinct8_ideal_s"],
+        # the end-to-end run step by step (benchlib/steps.py): device work vs host time between it
+        "engine_steps": eng["timeline"]["steps"],
+        "engine_forward_share": eng["timeline"]["forward_s"] / (eng["timeline"]["forward_s"] +
+                                                                eng["timeline"]["vision_graph_host_s"] +
+                                                                eng["timeline"]["other_host_s"]),
+        "engine_vision_graph_host_s": eng["timeline"]["vision_graph_host_s"],
+        "engine_other_host_s": eng["timeline"]["other_host_s"],
         # the profile: what a layer / the tower spends where (shares of the measured whole)
         "lm_forwards_per_prefill": lm["engine_forwards"],
         "lm_layer_ms": lp["layer_ms"],

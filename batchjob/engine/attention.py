@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from batchjob.metal_backend import AttentionMetadata, KVCache, write_kv
 
-from .fused_ops import rotate_half_rope
+from .fused_ops import RotaryTables, rope_heads
 
 AttentionFn = Callable[..., mx.array]  # (q, k_cache, v_cache, meta, scale, *, new_kv=None) -> [T, Hq, D]
 
@@ -30,6 +30,7 @@ class AttentionContext:
     meta: AttentionMetadata
     kv_cache: KVCache
     attention: AttentionFn
+    rope: RotaryTables | None = None   # the forward's rotary tables split once for all layers (fused_ops)
 
 
 _CONTEXT: AttentionContext | None = None
@@ -68,20 +69,26 @@ class PagedAttention(nn.Module):
         inner = self.inner
         _, num_tokens, _ = x.shape  # the packed batch is one row: [1, T, hidden]
         hq, hkv, d = inner.n_heads, inner.n_kv_heads, inner.head_dim
-        if "qkv_proj" in inner:   # q/k/v stacked at load (lm_fusion.py): one GEMM, then views per head group
-            qkv = inner.qkv_proj(x).reshape(num_tokens, hq + 2 * hkv, d)
-            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
-        else:
-            q, k, v = (proj(x).reshape(num_tokens, h, d) for proj, h in
-                       ((inner.q_proj, hq), (inner.k_proj, hkv), (inner.v_proj, hkv)))
-        if hasattr(inner, "q_norm"):  # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
-            q, k = inner.q_norm(q), inner.k_norm(k)
         cos, sin = position_embeddings   # [1, T, D]: one row per token, broadcast over the heads (axis 1 here)
         # The rotary embedding is elementwise: applied token-major (heads on axis 1) it gives the same values as
         # mlx-vlm's head-major call, in the packed layout that the cache write and SDPA's views read without a
-        # transpose copy; compiled, it is one kernel for q and one for k.
+        # transpose copy; compiled, it is one kernel (for q and k together where no q/k norm comes between).
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]
-        q, k = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
+        if "qkv_proj" in inner:   # q/k/v stacked at load (lm_fusion.py): one GEMM, then views per head group
+            qkv = inner.qkv_proj(x).reshape(num_tokens, hq + 2 * hkv, d)
+            v = qkv[:, hq + hkv:]
+            if hasattr(inner, "q_norm"):  # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
+                q, k = inner.q_norm(qkv[:, :hq]), inner.k_norm(qkv[:, hq:hq + hkv])
+                q, k = rope_heads(q, hq, cos, sin, ctx.rope), rope_heads(k, hkv, cos, sin, ctx.rope)
+            else:
+                qk = rope_heads(qkv, hq + hkv, cos, sin, ctx.rope)
+                q, k = qk[:, :hq], qk[:, hq:]
+        else:
+            q, k, v = (proj(x).reshape(num_tokens, h, d) for proj, h in
+                       ((inner.q_proj, hq), (inner.k_proj, hkv), (inner.v_proj, hkv)))
+            if hasattr(inner, "q_norm"):
+                q, k = inner.q_norm(q), inner.k_norm(k)
+            q, k = rope_heads(q, hq, cos, sin, ctx.rope), rope_heads(k, hkv, cos, sin, ctx.rope)
         cache, layer = ctx.kv_cache, self.layer_index
         cache.k[layer], cache.v[layer] = write_kv(cache.k[layer], cache.v[layer], k, v, ctx.meta)
         # The new K/V go along: sequences with nothing cached attend to them directly (no gather from the cache).

@@ -72,3 +72,20 @@ def normalize_on_device(patch_bytes: np.ndarray, table: np.ndarray):
 
     index = mx.array(patch_bytes).astype(mx.uint32) + mx.array(_byte_offsets(patch_bytes.shape[1], len(table)))
     return mx.take(mx.array(table.reshape(-1)), index)
+
+
+def device_pixels(inputs):
+    """The tower's pixels for prepared `inputs` (`preprocess.VideoInputs`): patch bytes (what the decoders send)
+    normalised on the device, float32 patches as they are."""
+    pixels = inputs.pixel_values
+    if pixels.dtype != np.uint8:
+        return pixels
+    return normalize_on_device(pixels, normalize_table(inputs.settings.image_mean, inputs.settings.image_std))
+
+
+def host_pixels(inputs) -> np.ndarray:
+    """The same values as float32 on the host (for references that take the processor's floats)."""
+    pixels = inputs.pixel_values
+    if pixels.dtype != np.uint8:
+        return pixels
+    return normalize_bytes(pixels, normalize_table(inputs.settings.image_mean, inputs.settings.image_std))

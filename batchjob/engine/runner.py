@@ -18,6 +18,7 @@ import numpy as np
 from batchjob.metal_backend import KVCache, build_attention_metadata
 
 from .attention import AttentionContext, AttentionFn, attention_context
+from .fused_ops import pairs_suit, split_tables
 from .scheduler import ScheduledSlice
 from .video_features import FeatureRows
 
@@ -83,7 +84,9 @@ def forward(
     h = _embed(lm, batch, video)[None]
     rotary = lm.model.layers[0].self_attn.rotary_emb
     position_embeddings = rotary(h, mx.array(positions[:, None, :]))
-    with attention_context(AttentionContext(meta, kv_cache, attention)):
+    cos, sin = position_embeddings
+    tables = split_tables(cos[0][:, None, :], sin[0][:, None, :]) if pairs_suit(cos.shape[-1]) else None
+    with attention_context(AttentionContext(meta, kv_cache, attention, tables)):
         for i, layer in enumerate(lm.model.layers):
             h = layer(h, None, None, None, position_embeddings)
             if video is not None and i < num_deepstack:

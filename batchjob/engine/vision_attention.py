@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .fused_ops import rotate_half_rope
+from .fused_ops import RotaryTables, pairs_suit, rope_pairs, rotate_half_rope
 
 
 def drop_repeated_boundaries(cu_seqlens: np.ndarray) -> np.ndarray:
@@ -72,6 +72,7 @@ class RopeTables:
 
     cos: mx.array
     sin: mx.array
+    pairs: RotaryTables | None = None   # the same split for `rope_pairs`, where that form is the faster one
 
 
 def rope_tables(freqs: mx.array) -> RopeTables:
@@ -79,7 +80,24 @@ def rope_tables(freqs: mx.array) -> RopeTables:
     def table(x):
         return mx.concatenate([x, x], axis=-1)[:, None, None, :]
 
-    return RopeTables(table(mx.cos(freqs)), table(mx.sin(freqs)))
+    c, s = mx.cos(freqs), mx.sin(freqs)
+    cos, sin = table(c), table(s)
+    if not pairs_suit(cos.shape[-1]):
+        return RopeTables(cos, sin)
+    # the halves repeat by construction: one cos half serves both (a smaller table to read in every block)
+    return RopeTables(cos, sin, RotaryTables(c[:, None, None, None, :], mx.stack([-s, s], axis=-2)[:, None, None]))
+
+
+def rotated_qkv(qkv: mx.array, heads: int, head_dim: int, rope: RopeTables) -> tuple[mx.array, mx.array, mx.array]:
+    """q and k rotated, and v, from the stacked projection's output `[tokens, 3 * heads * head_dim]`, each
+    `[tokens, heads, head_dim]` (views of one rotated array and of the projection)."""
+    tokens = qkv.shape[0]
+    if rope.pairs is not None:
+        qk = rope_pairs(qkv.reshape(tokens, 3, heads, 2, head_dim // 2)[:, :2], rope.pairs)
+        qk = qk.reshape(tokens, 2, heads, head_dim)
+    else:
+        qk = rotate_half_rope(qkv.reshape(tokens, 3, heads, head_dim)[:, :2], rope.cos, rope.sin)
+    return qk[:, 0], qk[:, 1], qkv.reshape(tokens, 3, heads, head_dim)[:, 2]
 
 
 METAL_FUSED_HEAD_DIMS = (64, 80, 128)   # what MLX's fused Metal SDPA takes (cuDNN takes any multiple of 8)
@@ -114,11 +132,8 @@ def packed_attention(attn: nn.Module, x: mx.array, plan: SegmentPlan, rope: Rope
     `rope`: tables from `rope_tables` (build them once per tower call), or the raw rotary frequencies."""
     if not isinstance(rope, RopeTables):
         rope = rope_tables(rope)
-    tokens = x.shape[0]
     heads, head_dim = attn.num_heads, attn.head_dim
-    qkv = attn.qkv(x).reshape(tokens, 3, heads, head_dim)
-    qk = rotate_half_rope(qkv[:, :2], rope.cos, rope.sin)
-    q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
+    q, k, v = rotated_qkv(attn.qkv(x), heads, head_dim, rope)
     outs = []
     for g in plan.groups:
         parts = [t if g.gather is None else t[g.gather] for t in (q, k, v)]

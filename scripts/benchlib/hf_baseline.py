@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from batchjob.engine.patchify import host_pixels
+
 from .ceilings import median
 
 
@@ -47,7 +49,7 @@ def _measure(cfg_dir: Path, workload, token_ids, video_token_id: int, seq_reques
         for i, row in enumerate(ids):  # left padding: every prompt ends at the last column
             input_ids[i, longest - len(row):] = torch.tensor(row)
             mask[i, longest - len(row):] = 1
-        pixels = torch.from_numpy(np.concatenate([r.clip.inputs.pixel_values for r in reqs]))
+        pixels = torch.from_numpy(np.concatenate([host_pixels(r.clip.inputs) for r in reqs]))
         grids = torch.tensor([list(r.clip.inputs.grid_thw) for r in reqs])
         kwargs = dict(input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
                       pixel_values_videos=pixels.to(dev).to(dtype), video_grid_thw=grids.to(dev),
@@ -83,7 +85,7 @@ def _measure(cfg_dir: Path, workload, token_ids, video_token_id: int, seq_reques
         result["batched_error"] = f"out of memory at batch {batch_size}: {exc}"[:300]
     visual = model.model.visual  # the vision tower alone, one clip
     r = workload[0]
-    px = torch.from_numpy(r.clip.inputs.pixel_values).to(dev).to(dtype)
+    px = torch.from_numpy(host_pixels(r.clip.inputs)).to(dev).to(dtype)
     grid = torch.tensor([list(r.clip.inputs.grid_thw)]).to(dev)
     with torch.inference_mode():
         visual(px, grid_thw=grid)

@@ -100,7 +100,7 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
 
     from batchjob.engine import runner
     from batchjob.engine.attention import AttentionContext, attention_context
-    from batchjob.engine.fused_ops import rotate_half_rope, swiglu_halves
+    from batchjob.engine.fused_ops import pairs_suit, rope_heads, split_tables, swiglu_halves
     from batchjob.metal_backend import write_kv
 
     lm, cache = clf.checkpoint.model.language_model, clf.kv_cache
@@ -120,6 +120,8 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
     with attention_context(ctx):
         steps["input_norm"] = time_(lambda: layer.input_layernorm(x))
         xn = layer.input_layernorm(x)
+        c, s = cos[0][:, None, :], sin[0][:, None, :]
+        tables = split_tables(c, s) if pairs_suit(d) else None   # once per forward, as runner.forward does
         if "qkv_proj" in attn:
             steps["qkv_proj"] = time_(lambda: attn.qkv_proj(xn))
             qkv = attn.qkv_proj(xn).reshape(t, hq + 2 * hkv, d)
@@ -127,12 +129,19 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
         else:
             steps["qkv_proj"] = time_(lambda: [attn.q_proj(xn), attn.k_proj(xn), attn.v_proj(xn)])
             q, k, v = (p(xn).reshape(t, h, d) for p, h in ((attn.q_proj, hq), (attn.k_proj, hkv), (attn.v_proj, hkv)))
+            qkv = None
         if hasattr(attn, "q_norm"):
             steps["qk_norm"] = time_(lambda: [attn.q_norm(q), attn.k_norm(k)])
             q, k = attn.q_norm(q), attn.k_norm(k)
-        c, s = cos[0][:, None, :], sin[0][:, None, :]
-        steps["rope"] = time_(lambda: [rotate_half_rope(q, c, s), rotate_half_rope(k, c, s)])
-        q, k = rotate_half_rope(q, c, s), rotate_half_rope(k, c, s)
+            qkv = None
+        # the engine's rotary (attention.PagedAttention): q and k in one kernel when nothing came between
+        if qkv is not None:
+            steps["rope"] = time_(lambda: rope_heads(qkv, hq + hkv, c, s, tables))
+            qk = rope_heads(qkv, hq + hkv, c, s, tables)
+            q, k = qk[:, :hq], qk[:, hq:]
+        else:
+            steps["rope"] = time_(lambda: [rope_heads(q, hq, c, s, tables), rope_heads(k, hkv, c, s, tables)])
+            q, k = rope_heads(q, hq, c, s, tables), rope_heads(k, hkv, c, s, tables)
         mx.eval(q, k, v)
 
         def kv_write():   # in place, as the layer writes it (the old arrays are released, so no copy)

@@ -29,6 +29,7 @@ def profile_tower(bench, inputs, ceiling: float, *, inner: int, repeats: int) ->
     """Profile the tower of `bench` (a workload.BenchModel) on one prepared clip `inputs`."""
     import mlx.core as mx
 
+    from batchjob.engine.patchify import device_pixels
     from batchjob.engine.vision_plan import TowerPlan
 
     ckpt, model_type, dims = bench.checkpoint, bench.model_type, bench.dims
@@ -39,8 +40,9 @@ def profile_tower(bench, inputs, ceiling: float, *, inner: int, repeats: int) ->
     out: dict = {"grid_thw": list(grid), "patches": int(grid[0] * grid[1] * grid[2]), "blocks": len(tower.blocks)}
     steps: dict = {}
     with mx.stream(bench.classifier._device):
-        steps["upload"] = time_(lambda: mx.array(inputs.pixel_values).astype(dtype))
-        px = mx.array(inputs.pixel_values).astype(dtype)
+        # as the engine gets them: patch bytes from the decoders, normalised on the device (patchify.py)
+        steps["upload"] = time_(lambda: mx.array(device_pixels(inputs)).astype(dtype))
+        px = mx.array(device_pixels(inputs)).astype(dtype)
         mx.eval(px)
 
         def build_plan():
@@ -75,7 +77,7 @@ def profile_tower(bench, inputs, ceiling: float, *, inner: int, repeats: int) ->
             merged = tower.merger(h)
             mx.eval(merged)
             steps["restore_order"] = time_(lambda: merged[blocks_plan.restore])
-        encode = lambda: family.encode_video(ckpt.model, inputs.pixel_values, grid, dtype)  # noqa: E731
+        encode = lambda: family.encode_video(ckpt.model, device_pixels(inputs), grid, dtype)  # noqa: E731
         out["engine_tower_ms"] = time_(encode, 1)   # as the engine calls it: from host pixels, plan cached
         with count_host_syncs() as log:
             mx.eval(encode())
@@ -114,19 +116,17 @@ def _block_kinds(tower, plan) -> dict:
 def _block_steps(block, h, segments, rope, time_, count: int) -> dict:
     import mlx.core as mx
 
-    from batchjob.engine.fused_ops import rotate_half_rope
-    from batchjob.engine.vision_attention import packed_attention
+    from batchjob.engine.vision_attention import packed_attention, rotated_qkv
 
     attn, mlp = block.attn, block.mlp
     tokens, heads, hd = h.shape[0], attn.num_heads, attn.head_dim
     steps = {"norm1": time_(lambda: block.norm1(h))}
     x = block.norm1(h)
     steps["qkv"] = time_(lambda: attn.qkv(x))
-    qkv = attn.qkv(x).reshape(tokens, 3, heads, hd)
+    qkv = attn.qkv(x)
     mx.eval(qkv)
-    steps["rope"] = time_(lambda: rotate_half_rope(qkv[:, :2], rope.cos, rope.sin))
-    qk = rotate_half_rope(qkv[:, :2], rope.cos, rope.sin)
-    q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
+    steps["rope"] = time_(lambda: rotated_qkv(qkv, heads, hd, rope)[:2])   # the engine's form (fused_ops.py)
+    q, k, v = rotated_qkv(qkv, heads, hd, rope)
     views = []
     for g in segments.groups:   # the segment plan's SDPA calls on ready q/k/v: attention math alone
         parts = [a if g.gather is None else a[g.gather] for a in (q, k, v)]

@@ -78,7 +78,8 @@ def make_workload(bench: BenchModel, rng, clips: int, questions: int, frames: in
         metadata = {"fps": 30.0, "frames_indices": indices, "total_num_frames": 15 * frames,
                     "duration": frames / 2.0, "frames_timestamps": [i / 30.0 for i in indices],
                     "video_backend": "synthetic"}
-        inputs = preprocess_video(pixels, metadata, bench.checkpoint.vision)
+        # patch bytes, as the pipeline's decoders send them (the engine normalises them on its device)
+        inputs = preprocess_video(pixels, metadata, bench.checkpoint.vision, normalise=False)
         clip = Clip(None, metadata, media_id=f"{tag}-clip{c}", inputs=inputs)
         for q in range(questions):
             options = tuple(f"option {k} for question {q}" for k in range(4))

@@ -102,6 +102,9 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path):
         assert row["lm_prefill"]["tokens"] == row["lm_prefill"]["mlx_vlm_contiguous_tokens"]   # like for like
         assert vp["block_kinds"] and vp["steps_ms"]["patch_embed"] > 0
         assert row["attention"]["follower"]["engine_attention_sdpa_calls"] >= 1
+        tl = row["engine"]["timeline"]   # the step timeline: one entry per step, device work a share of the run
+        assert tl["steps"] == len(tl["tokens_per_step"]) >= 1 and 0 < figures[
+            ("" if model_type == "qwen2_5_vl" else "qwen3_vl.") + "engine_forward_share"] <= 1
     assert "position_embedding" in rows["qwen3_vl"]["vision_profile"]["steps_ms"]
     assert set(rows["qwen2_5_vl"]["vision_profile"]["block_kinds"]) == {"window_attention", "full_attention"}
     assert "bench_gpu.py --smoke" in report["environment"]["command"]

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..fused_ops import GeluTanh
 from ..lm_fusion import fuse_decoder_projections
 from ..mrope import placeholder_runs
 from ..patch_embed import matmul_patch_embed
@@ -83,23 +84,30 @@ class Qwen3VLFamily(ModelFamily):
         return self.vision
 
     @property
+    def vision_act(self) -> str:
+        """The vision blocks' MLP activation (`vision_config.hidden_act`; Qwen3-VL's default)."""
+        return (self.hf_config.get("vision_config") or {}).get("hidden_act", "gelu_pytorch_tanh")
+
+    @property
     def num_deepstack(self) -> int:
         return len((self.hf_config.get("vision_config") or {}).get("deepstack_visual_indexes") or [])
 
     def correct_model(self, model) -> None:
         """mlx-vlm 0.7.10's Qwen3-VL-MoE tower swaps its two GELUs (mergers exact, block MLPs per hidden_act)."""
         tower = model.vision_tower
-        act = (self.hf_config.get("vision_config") or {}).get("hidden_act", "gelu_pytorch_tanh")
-        block_gelu = nn.GELU(approx="tanh") if "tanh" in act else nn.GELU()
+        block_gelu = nn.GELU(approx="tanh") if "tanh" in self.vision_act else nn.GELU()
         for merger in [tower.merger, *getattr(tower, "deepstack_merger_list", [])]:
             merger.act_fn = nn.GELU()
         for block in tower.blocks:
             block.mlp.act_fn = block_gelu
 
     def tune_model(self, model) -> None:
-        """Exact speed-ups: block MLPs padded to the GEMM tile, the patch embedding as a matmul, the decoder's
-        projections fused (lm_fusion.py)."""
+        """Exact speed-ups: block MLPs padded to the GEMM tile, their tanh GELU as one fp32 kernel (fused_ops.py),
+        the patch embedding as a matmul, the decoder's projections fused (lm_fusion.py)."""
         pad_plain_mlps(model.vision_tower.blocks)   # GEMM-friendly widths (vision_mlp.py)
+        for block in model.vision_tower.blocks if "tanh" in self.vision_act else ():
+            if isinstance(getattr(block.mlp, "act_fn", None), nn.GELU):
+                block.mlp.act_fn = GeluTanh()
         matmul_patch_embed(model.vision_tower)      # the Conv3d as the matmul it is (patch_embed.py)
         fuse_decoder_projections(model.language_model)
 
