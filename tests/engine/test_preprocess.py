@@ -258,3 +258,44 @@ def test_patch_bytes_normalise_to_the_same_values(family, rng):
     on_device = normalize_on_device(packed.pixel_values, table)
     assert on_device.dtype == mx.float32
     np.testing.assert_array_equal(np.array(on_device), values.pixel_values)
+
+
+def test_patch_bytes_upload_through_a_file_is_exact_and_leaves_nothing(tmp_path, rng):
+    """The CUDA upload route (a file in shared memory, loaded by MLX) gives the same bytes as `mx.array`, removes
+    its file before the load is evaluated, and is what the engine's device pixels use (same values either way)."""
+    import mlx.core as mx
+
+    from batchjob.engine.patchify import device_pixels, upload_bytes
+
+    patches = rng.integers(0, 256, (int(rng.integers(1, 500)), 1176), dtype=np.uint8)
+    loaded = upload_bytes(patches, via_file=True, folder=tmp_path)
+    assert list(tmp_path.iterdir()) == []          # gone already; MLX's reader holds the file open
+    assert loaded.dtype == mx.uint8 and loaded.shape == patches.shape
+    np.testing.assert_array_equal(np.array(loaded), patches)
+    np.testing.assert_array_equal(np.array(upload_bytes(patches, via_file=False)), patches)
+    # strided input (a view) is written contiguously
+    view = patches[:, ::2]
+    np.testing.assert_array_equal(np.array(upload_bytes(view, via_file=True, folder=tmp_path)), view)
+    settings = VisionSettings(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 8, **FAMILIES["qwen2_5_vl"])
+    frames = rng.integers(0, 256, (2, 56, 84, 3), dtype=np.uint8)
+    meta = {"fps": 30.0, "frames_indices": [0, 1]}
+    np.testing.assert_array_equal(np.array(device_pixels(preprocess_video(frames, meta, settings, normalise=False))),
+                                  preprocess_video(frames, meta, settings).pixel_values)
+
+
+def test_patch_bytes_upload_falls_back_when_the_file_cannot_be_written(tmp_path, rng, monkeypatch):
+    import mlx.core as mx
+
+    from batchjob.engine import patchify
+
+    patches = rng.integers(0, 256, (64, 30), dtype=np.uint8)
+
+    def full(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(patchify.np, "save", full)
+    got = patchify.upload_bytes(patches, via_file=True, folder=tmp_path)
+    assert got.dtype == mx.uint8 and list(tmp_path.iterdir()) == []
+    np.testing.assert_array_equal(np.array(got), patches)
+    missing = patchify.upload_bytes(patches, via_file=True, folder=tmp_path / "absent")
+    np.testing.assert_array_equal(np.array(missing), patches)
