@@ -15,9 +15,6 @@ arithmetic would not (an fp32 multiply by 1/255 differs from the processor's flo
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
@@ -73,49 +70,8 @@ def normalize_on_device(patch_bytes: np.ndarray, table: np.ndarray):
     made there (the same table gathered, so the same values)."""
     import mlx.core as mx
 
-    index = upload_bytes(patch_bytes).astype(mx.uint32) + mx.array(_byte_offsets(patch_bytes.shape[1], len(table)))
+    index = mx.array(patch_bytes).astype(mx.uint32) + mx.array(_byte_offsets(patch_bytes.shape[1], len(table)))
     return mx.take(mx.array(table.reshape(-1)), index)
-
-
-SHM = Path("/dev/shm")
-
-
-def upload_bytes(patch_bytes: np.ndarray, *, via_file: bool | None = None, folder: Path = SHM):
-    """`patch_bytes` as an MLX array on the default device.
-
-    On CUDA, MLX keeps an array made from host memory in managed memory, and the first kernel that reads it pulls
-    it over page fault by page fault, which takes longer than the tower's patch embedding. An array loaded from a
-    file is read into host memory and copied to the device in one `cudaMemcpyAsync` instead, so on CUDA (where
-    `via_file` is None) the bytes go through a file in shared memory (`folder`): written, loaded lazily (MLX's
-    reader holds the file open, so its name is removed at once), never left behind; where it cannot be written (a
-    container's small /dev/shm full), `mx.array` as elsewhere."""
-    import mlx.core as mx
-
-    if via_file is None:
-        via_file = _cuda_default() and folder.is_dir() and os.access(folder, os.W_OK)
-    if not via_file:
-        return mx.array(patch_bytes)
-    try:
-        fd, name = tempfile.mkstemp(prefix="batchjob-patches-", suffix=".npy", dir=folder)
-    except OSError:
-        return mx.array(patch_bytes)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, np.ascontiguousarray(patch_bytes))
-        return mx.load(name)
-    except OSError:   # shared memory full (a container's small /dev/shm): the managed-memory route
-        return mx.array(patch_bytes)
-    finally:
-        os.unlink(name)
-
-
-def _cuda_default() -> bool:
-    import mlx.core as mx
-
-    try:
-        return bool(mx.cuda.is_available()) and mx.default_device().type == mx.gpu
-    except AttributeError:   # an MLX build without the cuda module
-        return False
 
 
 def device_pixels(inputs):
