@@ -20,20 +20,20 @@ exactly, forward from its keyframe). How many frames: as vLLM's uniform loader c
 from __future__ import annotations
 
 import os
-from functools import partial
-
 import numpy as np
 
 from batchjob.loaders.errors import InvalidArgument
 from batchjob.loaders.keyframes import USE_INDEX_OPTION
 from batchjob.loaders.media import Source, describe
-from batchjob.loaders.picks import burst_targets
+from batchjob.loaders.keyframes import KeyframeListing
+from batchjob.loaders.picks import burst_targets, decode_order_bursts
 from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY, LoaderOption
 from batchjob.loaders.request import FPS_OPTION, FrameRequest
 from batchjob.loaders.sampling import keyframes_or_exact
 from batchjob.loaders.vllm_bridge import register_with_vllm
 
 NAME = "pyav_burst"
+DECODE_ORDER = 0        # burst_step 0: the pictures decoded right after the keyframe (`picks.decode_order_bursts`)
 DEFAULT_BURST_STEP = 2
 
 
@@ -42,13 +42,22 @@ def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_r
                **_ignored) -> tuple[np.ndarray, dict]:
     label = describe(source)
     request = FrameRequest.parse(label, NAME, num_frames, fps, frame_recovery)
-    if isinstance(burst_step, bool) or not isinstance(burst_step, (int, np.integer)) or burst_step < 1:
-        raise InvalidArgument(label, f"burst_step must be a positive integer (frames between a keyframe and the "
-                                     f"frames after it), got {burst_step!r}")
+    if isinstance(burst_step, bool) or not isinstance(burst_step, (int, np.integer)) or burst_step < 0:
+        raise InvalidArgument(label, f"burst_step must be 0 (the pictures decoded right after each keyframe) or a "
+                                     f"positive integer (frames between a keyframe and the frames after it), "
+                                     f"got {burst_step!r}")
     step = int(burst_step)
+
+    def targets(listing: KeyframeListing, n: int) -> list[int]:
+        indices = [k.index for k in listing.keyframes]
+        if step == DECODE_ORDER:
+            order = {pts: i for i, pts in enumerate(listing.sorted_pts)}
+            return decode_order_bursts(indices, [k.decode_position for k in listing.keyframes],
+                                       [order[pts] for pts in listing.decode_pts], n)
+        return burst_targets(indices, listing.total_num_frames, n, step)
+
     return keyframes_or_exact(source, label, NAME, request, use_index=use_index, mode_key="burst_mode",
-                              fill_mode="bursts", fill_extra={"burst_step": step}, one_thread=True,
-                              targets=partial(burst_targets, step=step))
+                              fill_mode="bursts", fill_extra={"burst_step": step}, one_thread=True, targets=targets)
 
 
 @VIDEO_LOADER_REGISTRY.register(NAME)
@@ -57,8 +66,8 @@ class PyAVBurstLoader:
     (motion inside each temporal patch) at close to keyframe cost."""
 
     options = {"fps": FPS_OPTION,
-               "burst_step": LoaderOption(int, "frames between a keyframe and each frame that replaces a repeat of it",
-                                          minimum=1),
+               "burst_step": LoaderOption(int, "frames between a keyframe and each frame that replaces a repeat of "
+                                               "it; 0: the pictures decoded right after the keyframe", minimum=0),
                "use_index": USE_INDEX_OPTION}
 
     reads_file_objects = True   # URLs arrive as seekable range-reading files (batchjob.loaders.remote)
