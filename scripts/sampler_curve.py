@@ -27,8 +27,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LOADERS = ("pyav_keyframes", "pyav_burst", "pyav_burst:burst_step=8", "pyav_adaptive:max_decoded_frames=32",
-           "pyav_adaptive", "opencv")
+LOADERS = ("pyav_keyframes", "pyav_burst", "pyav_burst:burst_step=2", "pyav_burst:burst_step=8",
+           "pyav_adaptive:max_decoded_frames=32", "pyav_adaptive", "opencv")
 KINDS = ("colour", "count", "direction", "order")
 MOTION = ("direction", "order")
 BASE_COST, BASE_ACCURACY = "pyav_keyframes", "opencv"

@@ -5,14 +5,18 @@ frame: on a clip with one keyframe, the whole clip. Keyframes alone are cheap, b
 keyframes than frames asked for, `pyav_keyframes` repeats them, and Qwen-VL models, which fold consecutive
 frames two by two into one temporal patch, then see patches of two identical pictures: no motion. This
 loader keeps `pyav_keyframes`' layout (the same keyframes, the same spread over the clip, the same pairing
-into patches, which is what order-of-events questions need) and replaces each repeat by the frame
-`burst_step` after the one before it (`picks.burst_targets`), so a patch shows the motion at that instant
-for a few predicted pictures more. Bursts instead of the keyframes' layout (a few anchors, each with its
-own run) lost order-of-events accuracy with the demo model; see the README's sampler curve.
+into patches, which is what order-of-events questions need) and replaces each repeat of a keyframe by a
+picture of its GOP. By default (`burst_step=0`) those are the pictures decoded right after the keyframe
+(`picks.decode_order_bursts`): m distinct frames for m pictures decoded, the fewest possible (with B-frames
+they are not the next frames shown: the first is the one the B-frames wait for, a few frames later).
+`burst_step=N` takes frames N apart in presentation order instead (`picks.burst_targets`), which also decodes
+the B-frames in between. Bursts instead of the keyframes' layout (a few anchors, each with its own run) lost
+order-of-events accuracy with the demo model; see the README's sampler curve.
 
 What it cannot see: what happens between keyframes (order of events inside one long GOP; the end of a
-clip after its last keyframe). A clip with one keyframe shows only its first `num_frames * burst_step`
-frames. When that matters more than decode time, use `pyav_adaptive` (exact uniform frames).
+clip after its last keyframe), nor motion slower than its few pictures show. A clip with one keyframe shows
+only its first `num_frames` pictures in decode order (or `num_frames * burst_step` frames). When that matters
+more than decode time, use `pyav_adaptive` (exact uniform frames).
 Frame indices and timestamps in the metadata are those of the frames returned (every frame is decoded
 exactly, forward from its keyframe). How many frames: as vLLM's uniform loader counts them (request.py).
 """
@@ -34,7 +38,8 @@ from batchjob.loaders.vllm_bridge import register_with_vllm
 
 NAME = "pyav_burst"
 DECODE_ORDER = 0        # burst_step 0: the pictures decoded right after the keyframe (`picks.decode_order_bursts`)
-DEFAULT_BURST_STEP = 2
+# The same answers as frames 2 apart from the demo model on 720p clips, for fewer pictures decoded (README).
+DEFAULT_BURST_STEP = DECODE_ORDER
 
 
 def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_recovery: bool = False,

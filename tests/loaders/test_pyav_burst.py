@@ -289,3 +289,14 @@ def test_decode_order_reaches_further_for_less(tmp_path):
     reach = [max(order.index(i) for i in m["frames_indices"]) + 1 for m in (by_decode, by_step)]
     assert reach[0] == 8 <= reach[1] and by_decode["frames_indices"][-1] >= 7
     assert order[:8] != list(range(8))   # the encoder did reorder, or this test shows nothing
+
+
+def test_the_default_is_decode_order(tmp_path, rng, expect):
+    info = make_clip(tmp_path / "d.mp4", seconds=rng.uniform(3, 6), fps=10, gop_seconds=rng.uniform(1.5, 2.5),
+                     bframes=2, width=64, height=48, seed=rng.randrange(1000))
+    ref = expect.full_decode(info.path)
+    order, positions = decode_order_of(info.path, ref.keyframe_indices)
+    frames, meta = load_video(info.path, backend="pyav_burst", num_frames=8)
+    assert meta["burst_mode"] == "bursts" and meta["burst_step"] == 0
+    assert meta["frames_indices"] == reference_decode_plan(ref.keyframe_indices, positions, order, 8)
+    np.testing.assert_array_equal(frames, ref.at(meta["frames_indices"]))
