@@ -79,4 +79,18 @@ def test_small_run_writes_the_curve(tmp_path):
         assert all(0 <= r[k] <= 1 for k in sampler_curve.KINDS) and r["decode_ms"] > 0
         if r["loader"] == "pyav_keyframes":
             assert r["ms_vs_keyframes"] == 1.0
-    assert "| 1key | pyav_burst |" in done.stdout
+    assert "| 1key | pyav_burst |" in done.stdout and "direction vs opencv" in done.stdout
+
+
+def test_table_reprints_a_results_file(tmp_path, capsys):
+    rows = sampler_curve.summarise({("opencv", "5s", "direction"): [True, True], ("opencv", "5s", "order"): [True],
+                                    ("pyav_burst", "5s", "direction"): [True, False],
+                                    ("pyav_burst", "5s", "order"): [True]},
+                                   {("opencv", "5s"): [400.0], ("pyav_burst", "5s"): [40.0]},
+                                   ["pyav_burst", "opencv"], ["5s"])
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"command": "sampler_curve.py --gops 5", "model_type": "qwen3_vl", "rows": rows}))
+    assert sampler_curve.main(["--table", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "the qwen3_vl demo model" in out
+    assert "| 5s | pyav_burst | - | - | 0.50 | 1.00 | 0.50 | 1.00 | 40.0 | - |" in out
