@@ -23,29 +23,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from batchjob.demo_model import DEFAULT_MODEL_TYPE, RECIPES
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from benchlib.demo_models import add_model_type_argument, demo_model
+
     from batchjob.loader_comparison import LOADERS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clips", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model-type", default=DEFAULT_MODEL_TYPE, choices=tuple(RECIPES))
+    add_model_type_argument(parser)
     parser.add_argument("--loaders", nargs="+", default=list(LOADERS))
     parser.add_argument("--json", type=Path, help="also write the table here")
     parser.add_argument("--html", type=Path, help="also write the table and its plot here (needs batchjob[report])")
     args = parser.parse_args(argv)
 
     from batchjob.demo import build_scene_clips
-    from batchjob.demo_model import packaged_model_dir, trained_motion
-    from batchjob.engine import Classifier
     from batchjob.loader_comparison import compare_loaders, html_page, markdown_table, to_json
 
-    recipe = RECIPES[args.model_type]
-    classifier = Classifier.from_pretrained(packaged_model_dir(args.model_type), recipe.engine_config)
+    model = demo_model(args.model_type)
+    classifier = model.classifier()
     with tempfile.TemporaryDirectory() as tmp:
-        records = build_scene_clips(Path(tmp), args.clips, seed=args.seed, motion=trained_motion(args.model_type))
-        rows = compare_loaders(tmp, records, classifier, recipe.num_frames, args.loaders)
-    about = f"{args.clips} clips (seed {args.seed}), {recipe.num_frames} frames, the {args.model_type} demo model"
+        records = build_scene_clips(Path(tmp), args.clips, seed=args.seed, motion=model.motion)
+        rows = compare_loaders(tmp, records, classifier, model.num_frames, args.loaders)
+    about = f"{args.clips} clips (seed {args.seed}), {model.num_frames} frames, the {args.model_type} demo model"
     print(f"{about}; accuracy (questions)")
     print(markdown_table(rows))
     if args.json:

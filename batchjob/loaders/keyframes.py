@@ -57,6 +57,8 @@ class KeyframeListing:
     keyframes: list[Keyframe]
     source: Literal["index", "sweep"]
     sorted_pts: list[int] | None = None  # every frame's PTS in presentation order (sweep only)
+    decode_pts: list[int] | None = None  # every frame's PTS in decode order (sweep only); Keyframe.decode_position
+                                         # indexes it
 
 
 def _keyframe_positions(entries, count: int) -> list[int] | None:
@@ -171,7 +173,7 @@ def from_sweep(container: av.container.InputContainer, stream: av.video.stream.V
             keys.append((len(all_pts), pts, packet.dts, packet.pos if packet.pos is not None else -1))
         all_pts.append(pts)
     if not all_pts:
-        return KeyframeListing(0, [], "sweep", [])
+        return KeyframeListing(0, [], "sweep", [], [])
     sorted_pts = sorted(all_pts)
     _check_not_cut_short(container, stream, sorted_pts, label)
     keyframes = [Keyframe(position, dts if (mp4 and dts is not None) else pts, dts, pts, pos,
@@ -180,7 +182,7 @@ def from_sweep(container: av.container.InputContainer, stream: av.video.stream.V
         position, pts, dts, pos = hidden_key
         keyframes.insert(0, Keyframe(position, dts if (mp4 and dts is not None) else pts, dts, pts, pos, 0,
                                      shown_pts=sorted_pts[0]))
-    return KeyframeListing(len(all_pts), keyframes, "sweep", sorted_pts)
+    return KeyframeListing(len(all_pts), keyframes, "sweep", sorted_pts, all_pts)
 
 
 def list_keyframes(container: av.container.InputContainer, stream: av.video.stream.VideoStream,

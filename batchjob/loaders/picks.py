@@ -123,3 +123,39 @@ def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: in
         s = min(step, max(1, (room - 1) // max(1, m - 1)))
         out.extend(anchor + min(j * s, room - 1) for j in range(m))
     return out
+
+
+def decode_order_bursts(keyframe_indices: list[int], keyframe_positions: list[int], decode_order: list[int],
+                        num_frames: int) -> list[int]:
+    """The keyframe picks, with the repeats of a keyframe replaced by the pictures decoded right after it.
+
+    `decode_order[j]` is the presentation index of the j-th picture in decode order, `keyframe_positions[i]`
+    where keyframe i sits in it. Where a keyframe would be shown `m` times, the frames are the keyframe and the
+    first `m - 1` pictures after it in decode order that are shown after it and before the next keyframe, in
+    presentation order (a GOP with fewer repeats its last frame). Reaching them costs `m` pictures, the fewest
+    any `m` distinct frames of that GOP cost: with two B-frames the first picture decoded after a keyframe is
+    the one shown three frames later, reached with two decodes where the frame two after it takes four.
+    """
+    total = len(decode_order)
+    if not keyframe_indices or len(keyframe_positions) != len(keyframe_indices) or total <= 0 or num_frames <= 0:
+        raise ValueError(f"need keyframes (with their decode positions) and frames, got {len(keyframe_indices)} "
+                         f"keyframes, {len(keyframe_positions)} positions, {total} frames in the clip, "
+                         f"{num_frames} asked")
+    if num_frames >= total:
+        return list(range(total))  # every frame once, as the uniform loaders return it
+    picks = keyframe_picks(len(keyframe_indices), num_frames)
+    out = []
+    for p in sorted(set(picks)):
+        m = picks.count(p)
+        anchor = keyframe_indices[p]
+        end = keyframe_indices[p + 1] if p + 1 < len(keyframe_indices) else total
+        stop = keyframe_positions[p + 1] if p + 1 < len(keyframe_positions) else total
+        chosen = [anchor]
+        for j in range(max(0, keyframe_positions[p]), stop):
+            if len(chosen) == m:
+                break
+            if anchor < decode_order[j] < end:   # leading pictures (shown before the keyframe) are not its own
+                chosen.append(decode_order[j])
+        chosen.sort()
+        out.extend(chosen + [chosen[-1]] * (m - len(chosen)))
+    return out

@@ -17,8 +17,6 @@ A packet the decoder refuses is skipped: the clip fails only if a frame it retur
 from __future__ import annotations
 
 import os
-from functools import partial
-
 import numpy as np
 
 from batchjob.loaders.errors import InvalidArgument
@@ -42,7 +40,9 @@ def load_adaptive(source: Source, num_frames: int = 16, *, fps: float = -1, fram
     if isinstance(max_decoded_frames, bool) or not isinstance(max_decoded_frames, int) or max_decoded_frames < 1:
         raise InvalidArgument(label, f"max_decoded_frames must be a positive integer, got {max_decoded_frames!r}")
     return keyframes_or_exact(source, label, NAME, request, use_index=use_index, mode_key="adaptive_mode",
-                              fill_mode="fill", targets=partial(fill_targets, max_decoded_frames=max_decoded_frames))
+                              fill_mode="fill", targets=lambda listing, n: fill_targets(
+                                  [k.index for k in listing.keyframes], listing.total_num_frames, n,
+                                  max_decoded_frames))
 
 
 @VIDEO_LOADER_REGISTRY.register(NAME)

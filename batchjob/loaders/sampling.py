@@ -38,10 +38,10 @@ def keyframe_frames(container, stream, listing: KeyframeListing, num_frames: int
 
 
 def keyframes_or_exact(source: Source, label: str, name: str, request: FrameRequest, *, use_index: bool,
-                       targets: Callable[[list[int], int, int], list[int]], mode_key: str, fill_mode: str,
+                       targets: Callable[[KeyframeListing, int], list[int]], mode_key: str, fill_mode: str,
                        fill_extra: dict | None = None, one_thread: bool = False) -> tuple[np.ndarray, dict]:
     """A clip's keyframes when it has at least as many as frames asked (`mode_key`: "keyframes"); else the exact
-    frames `targets(keyframe indices, frames in the clip, frames asked)` names, each decoded forward from the
+    frames `targets(sweep listing, frames asked)` names (presentation indices), each decoded forward from the
     keyframe before it (`mode_key`: `fill_mode`, plus `fill_extra`). The body of the loaders that differ only in
     where those frames are (pyav_adaptive, pyav_burst). `one_thread`: decode the runs on one thread (short runs
     lose more to a thread pool's start-up and hand-offs than they gain)."""
@@ -59,7 +59,7 @@ def keyframes_or_exact(source: Source, label: str, name: str, request: FrameRequ
                 require_keyframes(listing, label)
             if one_thread:
                 stream.codec_context.thread_count = 1
-            wanted = targets([k.index for k in listing.keyframes], listing.total_num_frames, num_frames)
+            wanted = targets(listing, num_frames)
             frames, indices, decoded, pts = frames_at(container, stream, listing, wanted, label)
             extra = {mode_key: fill_mode, **(fill_extra or {}), "decoded_frames": decoded}
         return stack_frames(frames, label), facts.metadata(name, indices, keyframe_source=listing.source,

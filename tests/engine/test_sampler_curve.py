@@ -1,5 +1,5 @@
 """scripts/sampler_curve.py: its table arithmetic on made-up tallies, and the whole script in --small mode (the
-packaged demo model, real clips) writing a results file the README's curve can be rebuilt from."""
+demo's default packaged model, real clips) writing a results file the README's curve can be rebuilt from."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import sampler_curve  # noqa: E402
+from benchlib.demo_models import demo_model, told_as  # noqa: E402
 
 
 def test_loader_specs_parse_options():
@@ -38,10 +39,26 @@ def test_summary_ratios_against_the_baselines_of_the_same_gop():
 
 
 def test_model_time_scaling_keeps_the_loader_metadata():
-    meta = {"total_num_frames": 288, "fps": 24.0, "duration": 12.0, "frames_indices": [0, 5]}
-    told = sampler_curve.for_model(meta, 4.0)
+    meta = {"total_num_frames": 288, "fps": 24.0, "duration": 12.0, "frames_indices": [0, 5],
+            "frames_timestamps": [0.0, 5 / 24]}
+    told = told_as(meta, 4.0)
     assert told["fps"] == 72.0 and told["duration"] == 4.0 and told["frames_indices"] == [0, 5]
-    assert meta["fps"] == 24.0 and sampler_curve.for_model(meta, 0) is meta
+    # Qwen3-VL reads the frames' times as text: they shrink with the clip (5 / 24 s of 12 s is 5 / 72 s of 4 s)
+    assert told["frames_timestamps"] == pytest.approx([0.0, 5 / 72])
+    assert meta["fps"] == 24.0 and meta["frames_timestamps"] == [0.0, 5 / 24] and told_as(meta, 0) is meta
+    no_times = {k: v for k, v in meta.items() if k != "frames_timestamps"}
+    assert "frames_timestamps" not in told_as(no_times, 4.0)
+
+
+def test_model_type_is_a_trained_demo_model():
+    from batchjob.demo_model import DEFAULT_MODEL_TYPE, RECIPES
+
+    assert demo_model(DEFAULT_MODEL_TYPE).motion == "wrap" and demo_model("qwen2_5_vl").motion == "span"
+    assert demo_model("qwen2_5_vl").recipe is RECIPES["qwen2_5_vl"]
+    with pytest.raises(ValueError, match="qwen3_vl_moe.*not a trained demo model: use one of"):
+        demo_model("qwen3_vl_moe")
+    with pytest.raises(SystemExit):
+        sampler_curve.main(["--model-type", "nope"])
 
 
 def test_small_run_writes_the_curve(tmp_path):
@@ -52,6 +69,8 @@ def test_small_run_writes_the_curve(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert "sampler_curve.py --small" in report["command"]
+    assert report["model_type"] == "qwen3_vl" and report["model"]["motion"] == "wrap"
+    assert "the qwen3_vl demo model (wrap scenes)" in done.stdout
     rows = report["rows"]
     assert {(r["loader"], r["gop"]) for r in rows} == {(name, g) for name in sampler_curve.LOADERS
                                                        for g in ("0.5s", "1key")}
@@ -60,4 +79,18 @@ def test_small_run_writes_the_curve(tmp_path):
         assert all(0 <= r[k] <= 1 for k in sampler_curve.KINDS) and r["decode_ms"] > 0
         if r["loader"] == "pyav_keyframes":
             assert r["ms_vs_keyframes"] == 1.0
-    assert "| 1key | pyav_burst |" in done.stdout
+    assert "| 1key | pyav_burst |" in done.stdout and "direction vs opencv" in done.stdout
+
+
+def test_table_reprints_a_results_file(tmp_path, capsys):
+    rows = sampler_curve.summarise({("opencv", "5s", "direction"): [True, True], ("opencv", "5s", "order"): [True],
+                                    ("pyav_burst", "5s", "direction"): [True, False],
+                                    ("pyav_burst", "5s", "order"): [True]},
+                                   {("opencv", "5s"): [400.0], ("pyav_burst", "5s"): [40.0]},
+                                   ["pyav_burst", "opencv"], ["5s"])
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"command": "sampler_curve.py --gops 5", "model_type": "qwen3_vl", "rows": rows}))
+    assert sampler_curve.main(["--table", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "the qwen3_vl demo model" in out
+    assert "| 5s | pyav_burst | - | - | 0.50 | 1.00 | 0.50 | 1.00 | 40.0 | - |" in out

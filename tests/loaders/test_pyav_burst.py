@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from batchjob.loaders import InvalidArgument, load_video
-from batchjob.loaders.picks import burst_targets
+from batchjob.loaders.picks import burst_targets, decode_order_bursts
 from batchjob.loaders.registry import option_problems
 from batchjob.loaders.pyav_burst import PyAVBurstLoader
 from batchjob.synthetic.clips import make_clip, read_counter
@@ -143,7 +143,7 @@ def test_cost_is_bounded_by_the_bursts_not_the_gop(tmp_path):
     assert meta["decoded_frames"] <= 22 + 8   # the run, plus what B-frame reordering holds back
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "6"])
+@pytest.mark.parametrize("bad", [-1, -2, 2.5, True, "6"])
 def test_bad_burst_step_is_refused_clearly(clips, bad):
     path, _ = clips("h264_single_keyframe")
     with pytest.raises(InvalidArgument, match="burst_step") as info:
@@ -151,3 +151,152 @@ def test_bad_burst_step_is_refused_clearly(clips, bad):
     assert path in str(info.value)
     assert any(p.startswith("burst_step:") for p in option_problems(PyAVBurstLoader, {"burst_step": bad}))
     assert option_problems(PyAVBurstLoader, {"burst_step": 4, "use_index": False}) == []
+
+
+# burst_step=0: the pictures decoded right after each keyframe (picks.decode_order_bursts)
+
+
+def decode_order_of(path: str, keyframe_indices: list[int]) -> tuple[list[int], list[int]]:
+    """Independently of the loader: every packet's presentation index in decode order, and where each keyframe
+    sits in it, from a plain demux."""
+    import av
+
+    with av.open(path) as container:
+        pts = [p.pts for p in container.demux(video=0) if p.size]
+    rank = {p: i for i, p in enumerate(sorted(pts))}
+    order = [rank[p] for p in pts]
+    return order, [order.index(k) for k in keyframe_indices]
+
+
+def reference_decode_plan(keys: list[int], positions: list[int], order: list[int], num_frames: int) -> list[int]:
+    """The documented placement, spelled out: per picked keyframe shown m times, among the pictures decoded
+    after it and before the next keyframe that are shown inside its GOP, the m - 1 decoded first; in
+    presentation order, a short GOP repeating its last frame."""
+    total = len(order)
+    if num_frames >= total:
+        return list(range(total))
+    k = len(keys)
+    picks = ([int(p) for p in np.round(np.linspace(0, k - 1, num_frames))] if num_frames <= k else
+             [int(np.floor((i + 0.5) * k / num_frames)) for i in range(num_frames)])
+    out = []
+    for p in sorted(set(picks)):
+        m = picks.count(p)
+        end = keys[p + 1] if p + 1 < k else total
+        stop = positions[p + 1] if p + 1 < k else total
+        own = sorted((j, order[j]) for j in range(positions[p], stop) if keys[p] < order[j] < end)
+        got = sorted([keys[p]] + [i for _, i in own[:m - 1]])
+        out += got + [got[-1]] * (m - len(got))
+    return out
+
+
+def test_decode_order_plan_on_random_layouts(rng):
+    """Random decode orders with B-frame-like reordering: the plan is the reference's, sorted, and each
+    keyframe's frames are a prefix of its GOP's decode order (the fewest pictures that reach them)."""
+    for _ in range(300):
+        total = rng.randint(2, 400)
+        bframes = rng.choice([0, 1, 2, 3])
+        gap = rng.choice([1, 3, 12, 50, 1000])
+        keys = sorted({0} | {rng.randrange(total) for _ in range(total // gap)})
+        order = []
+        for a, b in zip(keys, keys[1:] + [total]):      # per GOP: I, then P before the B-frames it closes
+            gop = list(range(a, b))
+            order.append(gop[0])
+            rest = gop[1:]
+            while rest:
+                run = rest[:bframes + 1]
+                rest = rest[bframes + 1:]
+                order += [run[-1]] + run[:-1]
+        positions = [order.index(k) for k in keys]
+        num_frames = rng.randint(1, min(total, 40))
+        got = decode_order_bursts(keys, positions, order, num_frames)
+        assert got == reference_decode_plan(keys, positions, order, num_frames)
+        assert len(got) == num_frames and got == sorted(got)
+        for p, key in enumerate(keys):
+            mine = {i for i in got if key <= i < (keys[p + 1] if p + 1 < len(keys) else total)}
+            if mine:
+                reach = max(order.index(i) for i in mine) - positions[p] + 1
+                assert reach == len(mine)
+
+
+def test_decode_order_plan_examples():
+    # I0 P3 B1 B2 P6 B4 B5 P9 B7 B8: two B-frames; keyframes 0 and 10 of a 20-frame clip
+    order = [0, 3, 1, 2, 6, 4, 5, 9, 7, 8, 10, 13, 11, 12, 16, 14, 15, 19, 17, 18]
+    assert decode_order_bursts([0, 10], [0, 10], order, 4) == [0, 3, 10, 13]
+    assert decode_order_bursts([0, 10], [0, 10], order, 6) == [0, 1, 3, 10, 11, 13]
+    assert decode_order_bursts([0, 10], [0, 10], order, 8) == [0, 1, 2, 3, 10, 11, 12, 13]
+    assert decode_order_bursts([0], [0], [0, 2, 1], 2) == [0, 2]   # a 3-frame clip decoded I0 P2 B1
+    assert decode_order_bursts([0, 2], [0, 2], [0, 1, 2, 3], 4) == [0, 1, 2, 3]
+    assert decode_order_bursts([0, 2], [0, 2], [0, 1, 2, 3, 4], 4) == [0, 1, 2, 3]
+    assert decode_order_bursts([0, 1], [0, 1], [0, 1, 2], 2) == [0, 1]       # enough keyframes: one each
+    assert decode_order_bursts([0, 1], [0, 1], [0, 1, 2, 3, 4], 4) == [0, 0, 1, 2]   # a 1-frame GOP repeats
+
+
+@pytest.mark.parametrize("bad", [([], [], [0, 1], 1), ([0], [0, 1], [0, 1], 1), ([0], [0], [], 1), ([0], [0], [0], 0)])
+def test_bad_decode_order_plan(bad):
+    with pytest.raises(ValueError, match="need keyframes"):
+        decode_order_bursts(*bad)
+
+
+def test_decode_order_frames_equal_a_full_decode_on_random_clips(tmp_path, rng, expect):
+    """Seeded random clips (B-frames or none, short and long GOPs, one keyframe, GOP longer than the clip, very
+    short clips): the frames are a full decode's at the plan an independent demux gives."""
+    kinds = set()
+    for i in range(10):
+        fixed = ({"single_keyframe": True} if i == 0 else
+                 {"gop_seconds": 30.0} if i == 1 else                      # a GOP longer than the clip
+                 {"seconds": rng.uniform(0.1, 0.4), "fps": 10} if i == 2 else {})   # 1-4 frames
+        info, spec = random_clip(tmp_path, rng, i, **fixed)
+        ref = expect.full_decode(info.path)
+        total = len(ref.frames)
+        order, positions = decode_order_of(info.path, ref.keyframe_indices)
+        num_frames = rng.choice([rng.randint(1, 16), 8, total + rng.randint(0, 3)])
+        want = min(num_frames, total)
+        for use_index in (True, False):
+            frames, meta = load_video(info.path, backend="pyav_burst", num_frames=num_frames, burst_step=0,
+                                      use_index=use_index)
+            indices = meta["frames_indices"]
+            if want > len(ref.keyframe_indices):
+                assert indices == reference_decode_plan(ref.keyframe_indices, positions, order, want), spec
+                assert meta["burst_mode"] == "bursts" and meta["burst_step"] == 0
+            else:
+                assert meta["burst_mode"] == "keyframes"
+            np.testing.assert_array_equal(frames, ref.at(indices))
+            assert [read_counter(f) for f in frames] == indices
+            kinds.add(meta["burst_mode"])
+    assert "bursts" in kinds
+
+
+@pytest.mark.parametrize("name", ["hevc_bframes_mp4", "h264_open_gop_mp4", "mpeg4_bframes_mp4", "h264_bframes_mkv",
+                                  "vp9_webm", "h264_vfr", "h264_rot90", "h264_long_gop", "h264_single_keyframe"])
+def test_decode_order_bursts_are_pixel_exact_on_every_codec(clips, rng, name):
+    path, ref = clips(name)
+    num_frames = min(len(ref.frames) - 1, len(ref.keyframe_indices) + rng.randint(1, 8))
+    frames, meta = load_video(path, backend="pyav_burst", num_frames=num_frames, burst_step=0)
+    order, positions = decode_order_of(path, ref.keyframe_indices)
+    assert meta["frames_indices"] == reference_decode_plan(ref.keyframe_indices, positions, order, num_frames)
+    np.testing.assert_array_equal(frames, ref.at(meta["frames_indices"]))
+
+
+def test_decode_order_reaches_further_for_less(tmp_path):
+    """B-frames, one keyframe: the 8 frames by decode order need the first 8 packets; the frames 1 apart need
+    at least as many and end no later."""
+    info = make_clip(tmp_path / "long.mp4", seconds=20, fps=10, single_keyframe=True, bframes=2, width=64,
+                     height=48)
+    order, _ = decode_order_of(info.path, [0])
+    _, by_decode = load_video(info.path, backend="pyav_burst", num_frames=8, burst_step=0)
+    _, by_step = load_video(info.path, backend="pyav_burst", num_frames=8, burst_step=1)
+    assert by_decode["frames_indices"] == sorted(order[:8]) and by_step["frames_indices"] == list(range(8))
+    reach = [max(order.index(i) for i in m["frames_indices"]) + 1 for m in (by_decode, by_step)]
+    assert reach[0] == 8 <= reach[1] and by_decode["frames_indices"][-1] >= 7
+    assert order[:8] != list(range(8))   # the encoder did reorder, or this test shows nothing
+
+
+def test_the_default_is_decode_order(tmp_path, rng, expect):
+    info = make_clip(tmp_path / "d.mp4", seconds=rng.uniform(3, 6), fps=10, gop_seconds=rng.uniform(1.5, 2.5),
+                     bframes=2, width=64, height=48, seed=rng.randrange(1000))
+    ref = expect.full_decode(info.path)
+    order, positions = decode_order_of(info.path, ref.keyframe_indices)
+    frames, meta = load_video(info.path, backend="pyav_burst", num_frames=8)
+    assert meta["burst_mode"] == "bursts" and meta["burst_step"] == 0
+    assert meta["frames_indices"] == reference_decode_plan(ref.keyframe_indices, positions, order, 8)
+    np.testing.assert_array_equal(frames, ref.at(meta["frames_indices"]))
