@@ -17,6 +17,7 @@ A packet the decoder refuses is skipped: the clip fails only if a frame it retur
 from __future__ import annotations
 
 import os
+
 import numpy as np
 
 from batchjob.loaders.errors import InvalidArgument

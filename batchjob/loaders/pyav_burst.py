@@ -24,12 +24,12 @@ exactly, forward from its keyframe). How many frames: as vLLM's uniform loader c
 from __future__ import annotations
 
 import os
+
 import numpy as np
 
 from batchjob.loaders.errors import InvalidArgument
-from batchjob.loaders.keyframes import USE_INDEX_OPTION
+from batchjob.loaders.keyframes import USE_INDEX_OPTION, KeyframeListing
 from batchjob.loaders.media import Source, describe
-from batchjob.loaders.keyframes import KeyframeListing
 from batchjob.loaders.picks import burst_targets, decode_order_bursts
 from batchjob.loaders.registry import VIDEO_LOADER_REGISTRY, LoaderOption
 from batchjob.loaders.request import FPS_OPTION, FrameRequest
