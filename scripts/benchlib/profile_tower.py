@@ -119,7 +119,7 @@ def _block_steps(block, h, segments, rope, time_, count: int) -> dict:
     from batchjob.engine.vision_attention import packed_attention, rotated_qkv
 
     attn, mlp = block.attn, block.mlp
-    tokens, heads, hd = h.shape[0], attn.num_heads, attn.head_dim
+    heads, hd = attn.num_heads, attn.head_dim
     steps = {"norm1": time_(lambda: block.norm1(h))}
     x = block.norm1(h)
     steps["qkv"] = time_(lambda: attn.qkv(x))
