@@ -35,7 +35,8 @@ def plan_qwen3(tower: nn.Module, grid_thw) -> Qwen3Plan:
     def build() -> Qwen3Plan:
         merge = tower.spatial_merge_size
         frames = segment_plan(frame_boundaries(grid))
-        blocks = TowerPlan(rope=rotary_tables(merge_block_positions(grid, merge), tower.rotary_pos_emb),
+        blocks = TowerPlan(rope=rotary_tables(merge_block_positions(grid, merge), tower.rotary_pos_emb,
+                                              tower.blocks[0].attn.head_dim),   # padded heads: vision_heads.py
                            segments=(frames,) * len(tower.blocks))
         indices, weights = interpolation_plan(grid, tower.num_grid_per_side)
         return Qwen3Plan(blocks, indices, weights, mx.array(interpolated_rows(grid, merge).astype(np.int32)))

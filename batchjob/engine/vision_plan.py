@@ -56,16 +56,19 @@ def merge_block_positions(grid: Grid, merge: int) -> np.ndarray:
     return np.concatenate(out).astype(np.int64)
 
 
-def rotary_tables(positions: np.ndarray, rotary: nn.Module) -> RopeTables:
+def rotary_tables(positions: np.ndarray, rotary: nn.Module, head_dim: int | None = None) -> RopeTables:
     """cos/sin tables of the towers' 2-D rotary embedding for patches at `positions` ([n, 2] rows, cols).
 
     Same arithmetic as mlx-vlm's `VisionRotaryEmbedding` (`rotary.dim`, `rotary.theta`; a table
     `outer(arange, inv_freq)` gathered by row and by column): one product per entry, so a position times
-    the inverse frequency equals the gathered table entry exactly."""
+    the inverse frequency equals the gathered table entry exactly. `head_dim`: the attention's head size where
+    its rotary halves were padded (vision_heads.py): zero frequencies fill each half."""
     dim, theta = rotary.dim, rotary.theta
     inv_freq = 1.0 / (theta ** (mx.arange(0, dim, 2, dtype=mx.float32) / dim))
     pos = mx.array(positions.astype(np.float32))
     freqs = (pos[:, :, None] * inv_freq[None, None, :]).reshape(positions.shape[0], -1)
+    if head_dim is not None and head_dim // 2 > freqs.shape[-1]:
+        freqs = mx.pad(freqs, [(0, 0), (0, head_dim // 2 - freqs.shape[-1])])
     return rope_tables(freqs)
 
 

@@ -28,6 +28,7 @@ from ..patch_embed import matmul_patch_embed
 from ..preprocess import load_vision_settings
 from ..types import EngineError
 from ..qwen3_vision import encode_qwen3
+from ..vision_heads import pad_rotary_heads
 from ..vision_mlp import pad_plain_mlps
 from . import ModelFamily, VideoPrompt, video_rows
 
@@ -103,8 +104,10 @@ class Qwen3VLFamily(ModelFamily):
 
     def tune_model(self, model) -> None:
         """Exact speed-ups: block MLPs padded to the GEMM tile, their tanh GELU as one fp32 kernel (fused_ops.py),
-        the patch embedding as a matmul, the decoder's projections fused (lm_fusion.py)."""
+        attention heads padded to whole-word rotary halves (vision_heads.py), the patch embedding as a matmul, the
+        decoder's projections fused (lm_fusion.py)."""
         pad_plain_mlps(model.vision_tower.blocks)   # GEMM-friendly widths (vision_mlp.py)
+        pad_rotary_heads(model.vision_tower)        # rotary halves of whole 16-byte words (vision_heads.py)
         for block in model.vision_tower.blocks if "tanh" in self.vision_act else ():
             if isinstance(getattr(block.mlp, "act_fn", None), nn.GELU):
                 block.mlp.act_fn = GeluTanh()
