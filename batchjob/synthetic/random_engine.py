@@ -24,8 +24,9 @@ SMOKE = dict(hidden=256, layers=2, heads=4, kv_heads=2, inter=512, v_depth=4, v_
 QWEN3_VL_8B = dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, inter=12288, mrope=(24, 20, 20),
                    rope_theta=5e6, v_depth=27, v_hidden=1152, v_heads=16, v_inter=4304, patch=16,
                    deepstack=(8, 16, 24), v_positions=2304)
+# vision heads of 72 as in the 8B (their rotary halves get padded: engine/vision_heads.py)
 SMOKE_QWEN3 = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, inter=512, mrope=(12, 10, 10),
-                   rope_theta=5e6, v_depth=4, v_hidden=128, v_heads=2, v_inter=256, patch=16, deepstack=(0, 1, 2),
+                   rope_theta=5e6, v_depth=4, v_hidden=144, v_heads=2, v_inter=256, patch=16, deepstack=(0, 1, 2),
                    v_positions=64)
 SHAPES = {"qwen2_5_vl": (QWEN25_VL_7B, SMOKE), "qwen3_vl": (QWEN3_VL_8B, SMOKE_QWEN3)}   # (published, smoke)
 
