@@ -158,7 +158,10 @@ def test_a_dead_engine_replica_costs_only_its_clips_and_the_job_goes_on(tmp_path
 def test_when_every_replica_died_the_run_stops_and_a_rerun_resumes(tmp_path, h, synthetic, isolated_network):
     manifest, clips = synthetic
     data = crash_dataset(tmp_path, manifest, clips)
-    cfg = h.write_config(tmp_path / "job.yaml", data, runtime={"engine_actors": 1, "max_error_fraction": 1.0})
+    # One decoder: clips reach the engine in manifest order, so the crash clip is in its first batch (with two,
+    # a slow first decode let the other decoder feed every other clip first, and the run finished).
+    cfg = h.write_config(tmp_path / "job.yaml", data,
+                         runtime={"engine_actors": 1, "decode_actors": 1, "max_error_fraction": 1.0})
     first = h.run_cli("run", str(cfg), "--stats-json", str(tmp_path / "stats.json"))
     assert first.returncode == 1, first.stderr[-3000:]
     assert "all 1 engine replica(s) died" in first.stderr and "rerun the same command" in first.stderr
