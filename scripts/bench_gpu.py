@@ -10,10 +10,12 @@ tokenizer's (~1k ids): the LM head runs only at each request's last position.
 
 Workload per model: `--clips` clips x `--questions` questions, `--frames` frames at `--size` (Qwen2.5-VL: 2,048
 video tokens per clip at 16 x 448x448; Qwen3-VL: 1,568 plus a timestamp per pair of frames), inputs prepared
-up front and given to every path alike; 8 distinct clips with one question each (the LM prefill, in one
+up front as the decoders send them (patch bytes) and given to every path alike; the tower as the classifier runs a
+step's clips and one clip alone; 8 distinct clips with one question each (the LM prefill, in one
 forward under `max_num_batched_tokens: auto`, against mlx-vlm's contiguous forward on the same tokens);
 8 clips of different lengths (ragged); the attention-only cases; the per-layer LM profile and the vision tower
-profile (benchlib/profile_lm.py, profile_tower.py); MLX and torch bf16 matmul ceilings in the same process.
+profile (benchlib/profile_lm.py, profile_tower.py); one end-to-end pass step by step (benchlib/steps.py); MLX
+and torch bf16 matmul ceilings in the same process.
 
     python scripts/bench_gpu.py --model qwen2_5_vl qwen3_vl --layers 28 --vision-layers 32 --out benchmarks/results
 """
