@@ -22,6 +22,7 @@ from batchjob.startup import StepClock
 from .device import activate, resolve_dtype, select_device
 from .families import ModelFamily, family_for, supported_model_types
 from .preprocess import VisionSettings
+from .shards import weight_files
 from .types import EngineConfig, EngineError
 
 SUPPORTED_MODEL_TYPES = supported_model_types()
@@ -80,17 +81,6 @@ def touch_on_device(model: nn.Module) -> None:
     at load, instead of during the first forward pass."""
     mx.eval([mx.sum(p) for _, p in tree_flatten(model.parameters())])
     mx.synchronize()
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The shards mlx-vlm reads: those the index names (when there is one), else every *.safetensors file."""
-    index = path / "model.safetensors.index.json"
-    try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / s for s in shards if (path / s).is_file()]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        files = []
-    return files or sorted(f for f in path.glob("*.safetensors") if f.name != "consolidated.safetensors")
 
 
 def read_weights(files: list[Path], prefetch_to_gpu: bool = False) -> dict[str, dict[str, mx.array]]:

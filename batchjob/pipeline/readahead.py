@@ -12,16 +12,13 @@ import os
 import threading
 from pathlib import Path
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
-
+from batchjob.engine.shards import weight_files as engine_weight_files
 
 def weight_files(checkpoint: str | os.PathLike) -> list[Path]:
-    """The weight files of a local checkpoint directory, largest first; [] for a hub id or a missing folder."""
+    """The weight files the engine will read from a local checkpoint directory, in its order
+    (`engine.shards.weight_files`); [] for a hub id or a missing folder."""
     folder = Path(checkpoint).expanduser()
-    if not folder.is_dir():
-        return []
-    files = [f for f in folder.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)]
-    return sorted(files, key=lambda f: (-f.stat().st_size, f.name))
+    return engine_weight_files(folder) if folder.is_dir() else []
 
 
 CHUNK = 16 * 2**20

@@ -332,8 +332,15 @@ def test_readahead_names_a_checkpoints_weight_files_and_reads_them(tmp_path):
         (tmp_path / name).write_bytes(rng.randbytes(size))
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "sub.safetensors").mkdir()
+    (tmp_path / "consolidated.safetensors").write_bytes(rng.randbytes(64))   # a second copy: never read
     files = weight_files(tmp_path)
-    assert [f.name for f in files] == sorted(sizes, key=lambda n: (-sizes[n], n))   # largest first, no folders
+    assert [f.name for f in files] == sorted(sizes)   # the engine's files in its order; no folders, no copy
+    from batchjob.engine.checkpoint import weight_files as engine_reads
+    assert files == engine_reads(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00002-of-00004.safetensors", "b": "model-00004-of-00004.safetensors"}}))
+    assert [f.name for f in weight_files(tmp_path)] == ["model-00002-of-00004.safetensors",
+                                                        "model-00004-of-00004.safetensors"]   # the index's shards
     assert weight_files("Qwen/Qwen2.5-VL-7B-Instruct") == [] and weight_files(tmp_path / "missing") == []
     thread = warm_page_cache(files + [tmp_path / "vanished.safetensors"])   # a file gone meanwhile is skipped
     assert thread is not None
