@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,3 +121,21 @@ def make_clip():
 def make_request():
     """`make_request(rng, request_id, clip, num_options=None) -> ClassifyRequest` with random text."""
     return _random_request
+
+
+@pytest.fixture(scope="session")
+def mlx_vlm_qwen3_tower():
+    """Loads mlx-vlm's Qwen3-VL vision tower as mlx-vlm builds it, with only its GELU swap corrected
+    (PLATFORM.md): the reference the engine's planned tower is held to."""
+    def load(path: str):
+        import mlx.nn as nn
+        from mlx_vlm.utils import load_model
+
+        tower = load_model(Path(path)).vision_tower
+        for merger in [tower.merger, *tower.deepstack_merger_list]:
+            merger.act_fn = nn.GELU()
+        for block in tower.blocks:
+            block.mlp.act_fn = nn.GELU(approx="tanh")
+        return tower
+
+    return load

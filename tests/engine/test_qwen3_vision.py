@@ -34,18 +34,6 @@ QWEN3 = ["qwen3_vl", "qwen3_vl_moe"]
 GRIDS = [(2, 10, 14), (1, 8, 8), (3, 6, 20), (2, 18, 4)]
 
 
-def _mlx_vlm_tower(path: str, model_type: str):
-    """mlx-vlm's tower as it loads, with only its GELU swap corrected (PLATFORM.md)."""
-    from mlx_vlm.utils import load_model
-
-    tower = load_model(Path(path)).vision_tower
-    for merger in [tower.merger, *tower.deepstack_merger_list]:
-        merger.act_fn = nn.GELU()
-    for block in tower.blocks:
-        block.mlp.act_fn = nn.GELU(approx="tanh")
-    return tower
-
-
 def _pixels(rng, grid, patch=16):
     t, h, w = grid
     return rng.standard_normal((t * h * w, 3 * 2 * patch * patch)).astype(np.float32)
@@ -59,11 +47,12 @@ def engine_towers(checkpoint_dir):
 
 
 @pytest.mark.parametrize("name", QWEN3)
-def test_planned_qwen3_tower_equals_mlx_vlm_and_transformers(name, checkpoint_dir, engine_towers, rng):
+def test_planned_qwen3_tower_equals_mlx_vlm_and_transformers(name, checkpoint_dir, engine_towers, rng,
+                                                              mlx_vlm_qwen3_tower):
     from transformers import AutoModelForImageTextToText
 
     path = checkpoint_dir(name)
-    reference = _mlx_vlm_tower(path, name)
+    reference = mlx_vlm_qwen3_tower(path)
     visual = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval().model.visual
     tower = engine_towers[name]
     assert isinstance(tower.patch_embed, MatmulPatchEmbed)

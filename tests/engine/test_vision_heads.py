@@ -5,10 +5,8 @@ nothing."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
@@ -31,23 +29,11 @@ def wide_heads(tmp_path_factory):
     return str(write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3-heads24"), SPEC))
 
 
-def _fresh_mlx_vlm_tower(path: str):
-    """mlx-vlm's tower as it loads, only its GELUs set as the checkpoint says (PLATFORM.md)."""
-    from mlx_vlm.utils import load_model
-
-    tower = load_model(Path(path)).vision_tower
-    for merger in [tower.merger, *tower.deepstack_merger_list]:
-        merger.act_fn = nn.GELU()
-    for block in tower.blocks:
-        block.mlp.act_fn = nn.GELU(approx="tanh")
-    return tower
-
-
 def test_padded_half_rule():
     assert [padded_half(d) for d in (72, 24, 80, 128, 16)] == [40, 16, 40, 64, 8]
 
 
-def test_padded_tower_equals_mlx_vlm_and_transformers(wide_heads):
+def test_padded_tower_equals_mlx_vlm_and_transformers(wide_heads, mlx_vlm_qwen3_tower):
     from transformers import AutoModelForImageTextToText
 
     rng = np.random.default_rng(5)
@@ -55,7 +41,7 @@ def test_padded_tower_equals_mlx_vlm_and_transformers(wide_heads):
     attn = tower.blocks[0].attn
     assert (attn.head_dim, attn.rotary_half) == (32, 12) and attn.scale == pytest.approx(24 ** -0.5)
     assert tower.blocks[0].attn.qkv.weight.shape == (3 * 2 * 32, 48)
-    reference = _fresh_mlx_vlm_tower(wide_heads)
+    reference = mlx_vlm_qwen3_tower(wide_heads)
     visual = AutoModelForImageTextToText.from_pretrained(wide_heads, dtype=torch.float32).eval().model.visual
     for grid in GRIDS:
         px = rng.standard_normal((int(np.prod(grid)), 3 * 2 * 16 * 16)).astype(np.float32)

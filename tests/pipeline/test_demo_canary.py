@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from batchjob.demo_accuracy import MISS_PROBABILITY, bar
+from batchjob.demo_accuracy import bar
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("isolated_network")]
 
@@ -29,21 +29,6 @@ FAULTS = ("clean", "reversed", "channels", "shuffled")   # folders canary_faults
 # what each fault breaks: reversed time flips direction and order; BGR swaps red and blue (colour, and the
 # order question, whose options are colours); shuffled frames scramble motion
 BROKEN = {"reversed": ("direction", "order"), "channels": ("colour",), "shuffled": ("direction", "order")}
-
-
-def test_bar_is_a_binomial_tail():
-    """The bar against a simulation: a model at the recorded accuracy lands below it about as rarely as claimed
-    (checked at a looser level the simulation can resolve), and the bar sits below the recorded accuracy."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    for recorded, n in ((0.97, 24), (0.9, 40), (0.6, 12)):
-        level = bar(recorded, n)
-        assert level < recorded
-        below = (rng.binomial(n, recorded, size=200_000) / n < level).mean()
-        assert below < 5 * MISS_PROBABILITY + 1e-4, (recorded, n, level, below)
-        one_more = (rng.binomial(n, recorded, size=200_000) / n < level + 1 / n).mean()
-        assert one_more >= MISS_PROBABILITY, (recorded, n, level, one_more)   # the bar is the largest such
 
 
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
