@@ -2,7 +2,7 @@
 what the engine uses. Sections (`--sections`): `upload` (float32 patches vs patch bytes, a second stream),
 `vrope` (rotate-half with a concatenation vs a pair swap; SDPA on strided vs contiguous inputs), `gelu`, `lm`
 (q/k norms, rotary, KV write), `v2` (Qwen3-VL's head_dim 72, GELU in fp32, fused norm + rotary), `v3` (the q/k
-RMSNorm's row reduction), `upload_ab` (the engine end to end with patch bytes through managed memory vs a file
+RMSNorm's row reduction), `kv` (the KV scatter in bf16 vs as 32-bit words), `upload_ab` (the engine end to end with patch bytes through managed memory vs a file
 in shared memory). Prints ms per call (medians of 5) and writes gpu_probe_ops.json.
 
     python3 scripts/gpu_probe_ops.py --out DIR [--sections ...] [--small]
@@ -354,6 +354,46 @@ def main() -> None:
                 print(f"upload_ab.{model_type}.e2e_{route}_s {np.median(ts):.4f} {[round(x, 3) for x in ts]}",
                       flush=True)
             del bench
+
+    if "kv" in args.sections:   # the KV write: a bf16 scatter vs the same bytes scattered as wider words
+        for tag, (T, hq, hkv) in {"q3": (13896 // div, 32, 8), "q25": (16952 // div, 28, 4)}.items():
+            d, bs = 128, 16
+            nb = max(T // bs * 4, 4096 // div)
+            qkv = mx.random.normal((T, hq + 2 * hkv, d)).astype(bf)
+            kc, vc = mx.zeros((nb, bs, hkv, d), dtype=bf), mx.zeros((nb, bs, hkv, d), dtype=bf)
+            perm = np.random.default_rng(1).permutation(nb)[: -(-T // bs)]
+            slots_np = (perm[np.arange(T) // bs] * bs + np.arange(T) % bs).astype(np.int32)
+            slots = mx.array(slots_np)
+            mx.eval(qkv, kc, vc, slots)
+            k, v = qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]   # strided views, as the layer has them
+            state = {"k": kc, "v": vc}
+
+            def write(word):
+                def run():
+                    out = []
+                    for name, new in (("k", k), ("v", v)):
+                        flat = state[name].reshape(nb * bs, hkv * d)
+                        if word is None:
+                            flat[slots] = new.reshape(T, hkv * d)
+                        else:
+                            flat = flat.view(word)
+                            flat[slots] = mx.contiguous(new).reshape(T, hkv * d).view(word)
+                            flat = flat.view(bf)
+                        state[name] = flat.reshape(nb, bs, hkv, d)
+                        out.append(state[name])
+                    return out
+                return run
+
+            for word, label in ((None, "bf16"), (mx.uint32, "u32")):
+                try:
+                    t(f"kv.{tag}.scatter_{label}", write(word), inner=1)
+                except Exception as exc:   # a dtype the backend cannot scatter
+                    rows[f"kv.{tag}.scatter_{label}_error"] = f"{type(exc).__name__}: {exc}"[:200]
+            ref = np.array(write(None)()[0].astype(mx.float32))
+            got = np.array(write(mx.uint32)()[0].astype(mx.float32))   # (MLX's GPU scatter has no uint64)
+            rows[f"kv.{tag}.u32_equal"] = bool(np.array_equal(ref, got))
+            t(f"kv.{tag}.sync_only", lambda: [k + 0], inner=1)
+            del state, kc, vc
 
     env = {"device": str(mx.default_device()), "mlx": mx.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
