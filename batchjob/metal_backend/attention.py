@@ -109,7 +109,8 @@ def _call_keys(call: SdpaCall, index: int, plan_key: tuple, k_cache, v_cache, me
     hkv = k_cache.shape[2]
     if call.key_slots is not None:   # a folded call: its keys' slots, gathered once for all its sequences
         rows = _memo(meta, plan_key + (index, "key_rows", hkv), lambda: mx.array(
-            (call.key_slots[None, None, :].astype(np.int64) * hkv + np.arange(hkv)[None, :, None]).astype(np.int32)))
+            (call.key_slots.reshape(call.batch, 1, call.k_len).astype(np.int64) * hkv
+             + np.arange(hkv)[None, :, None]).astype(np.int32)))
     else:
         rows = _memo(meta, plan_key + (index, "key_rows", hkv),
                      lambda: gather_rows(tables, call.k_len, meta.block_size, hkv, meta.context_lens_host[seqs]))
@@ -183,7 +184,7 @@ def paged_attention(
         elif mask == "visible":   # additive, in the compute dtype, built once per forward (CUDA's SDPA takes
             # no boolean mask: MLX would convert one in every layer)
             mask = _memo(meta, plan_key + (i, "visible", q.dtype), lambda: mx.where(
-                mx.array(call.visible), mx.array(0.0, q.dtype), mx.array(-float("inf"), q.dtype))[None, None])
+                mx.array(call.visible), mx.array(0.0, q.dtype), mx.array(-float("inf"), q.dtype))[:, None])
         o = mx.fast.scaled_dot_product_attention(q_g, k, v, scale=scale, mask=mask)  # [batch, Hq, q_len, D]
         pieces.append(o.transpose(0, 2, 1, 3).reshape(call.batch * call.q_len, hq, d))
     out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)

@@ -24,7 +24,9 @@ Followers of one clip (short questions over the same cached blocks) can instead 
 element (`fold=True`, the GPU setting): their queries stacked on one axis, their keys the shared cached
 positions gathered once followed by each one's own new positions, and a visibility mask that lets each query
 see the shared prefix and its own sequence causally. A padded call gathers the shared prefix once per
-follower; the folded one reads it once, for at most `FOLD_SLACK` times the real attention arithmetic.
+follower; the folded one reads it once, for at most `FOLD_SLACK` times the real attention arithmetic. The folds
+of different clips in one pass are stacked on SDPA's batch axis (`stack_folds`), padded within `PAD_SLACK`: one
+call for the followers of many clips rather than one per clip.
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ class SdpaCall:
     k_start: int | None
     mask: str | None  # "causal" (lower-right), "keys" (keys past each context masked), "visible" (the array
     # below), or None (all visible)
-    key_slots: np.ndarray | None = None  # int32 [k_len]: a folded call's keys as cache slots (batch of one)
-    visible: np.ndarray | None = None  # bool [q_len, k_len]: which keys each row of a folded call sees
+    key_slots: np.ndarray | None = None  # int32 [folds * k_len]: a folded call's keys as cache slots, per fold
+    visible: np.ndarray | None = None  # bool [folds, q_len, k_len]: which keys each row of each fold sees
+    folds: int = 0  # folded calls: how many folds (clips) are stacked on SDPA's batch axis
 
     @property
     def n(self) -> int:
@@ -71,8 +74,9 @@ class SdpaCall:
 
     @property
     def batch(self) -> int:
-        """SDPA's batch size: one per sequence, or one for a folded call (its sequences share the key axis)."""
-        return 1 if self.key_slots is not None else len(self.seqs)
+        """SDPA's batch size: one per sequence, or one per fold for a folded call (a fold's sequences share its
+        key axis)."""
+        return self.folds if self.key_slots is not None else len(self.seqs)
 
     @property
     def padded_rows(self) -> int:
@@ -191,7 +195,44 @@ def _fold_call(seqs: list[int], cu: np.ndarray, ctx: np.ndarray, prefix: np.ndar
         row, col = row + q_len, col + len(mine)
     q_start = int(q_tokens[0]) if np.array_equal(q_tokens, q_tokens[0] + np.arange(len(q_tokens))) else None
     return SdpaCall(tuple(int(x) for x in seqs), len(q_tokens), len(key_slots), q_tokens, q_tokens.copy(), q_start,
-                    None, None, "visible", key_slots, visible)
+                    None, None, "visible", key_slots, visible[None], 1)
+
+
+def stack_folds(folds: list[SdpaCall], *, group_rows: int, slack: float = PAD_SLACK) -> list[SdpaCall]:
+    """Folds of different clips stacked on SDPA's batch axis, each padded to the stack's longest rows and keys:
+    one call per stack instead of one per clip (a step holds the followers of many clips, and each call costs a
+    fixed overhead). Largest first; a stack is closed before its padded work exceeds `slack` x its folds' own or
+    its rows exceed `group_rows`. Padded rows repeat a fold's last token and see its first key only (finite
+    values, dropped from the output); padded keys are seen by no row."""
+    order = sorted(folds, key=lambda c: (-c.q_len * c.k_len, c.seqs))
+    stacks: list[list[SdpaCall]] = []
+    for c in order:
+        if stacks:
+            trial = stacks[-1] + [c]
+            q, k = max(f.q_len for f in trial), max(f.k_len for f in trial)
+            if len(trial) * q <= group_rows and len(trial) * q * k <= slack * sum(f.q_len * f.k_len for f in trial):
+                stacks[-1] = trial
+                continue
+        stacks.append([c])
+    return [members[0] if len(members) == 1 else _stacked(members) for members in stacks]
+
+
+def _stacked(members: list[SdpaCall]) -> SdpaCall:
+    q_len, k_len = max(f.q_len for f in members), max(f.k_len for f in members)
+    q_tokens, out_tokens, key_slots = [], [], []
+    visible = np.zeros((len(members), q_len, k_len), dtype=bool)
+    for i, f in enumerate(members):
+        pad_q, pad_k = q_len - f.q_len, k_len - f.k_len
+        q_tokens.append(np.concatenate([f.q_tokens, np.repeat(f.q_tokens[-1:], pad_q)]))
+        out_tokens.append(np.concatenate([f.out_tokens, np.full(pad_q, -1, dtype=np.int32)]))
+        key_slots.append(np.concatenate([f.key_slots, np.repeat(f.key_slots[-1:], pad_k)]))
+        visible[i, :f.q_len, :f.k_len] = f.visible[0]
+        visible[i, f.q_len:, 0] = True
+    q_tokens = np.concatenate(q_tokens).astype(np.int32)
+    out_tokens = np.concatenate(out_tokens).astype(np.int32)
+    q_start = int(q_tokens[0]) if np.array_equal(out_tokens, q_tokens[0] + np.arange(len(q_tokens))) else None
+    return SdpaCall(tuple(s for f in members for s in f.seqs), q_len, k_len, q_tokens, out_tokens, q_start, None,
+                    None, "visible", np.concatenate(key_slots).astype(np.int32), visible, len(members))
 
 
 def _call(seqs, q_first, q_count, k_len: int, cu: np.ndarray, ctx: np.ndarray, prefix: np.ndarray,
@@ -250,8 +291,9 @@ def plan_attention(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, *, query_
     if block_tables is not None and block_size > 0:
         tables = np.asarray(block_tables)
         candidates = [int(s) for s in rest if q_lens[s] <= min(FOLD_MAX_Q, query_chunk)]
-        for fold in fold_groups(candidates, q_lens, prefix, tables, block_size, group_rows=group_rows):
-            calls.append(_fold_call(fold, cu, ctx, prefix, tables, block_size))
+        folds = [_fold_call(fold, cu, ctx, prefix, tables, block_size)
+                 for fold in fold_groups(candidates, q_lens, prefix, tables, block_size, group_rows=group_rows)]
+        calls.extend(stack_folds(folds, group_rows=group_rows))
         folded = {s for c in calls if c.key_slots is not None for s in c.seqs}
         rest = np.array([s for s in rest if int(s) not in folded], dtype=np.int64)
     long = [int(s) for s in rest if q_lens[s] > query_chunk]

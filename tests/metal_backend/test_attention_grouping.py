@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from batchjob.metal_backend import SeqSlice, build_attention_metadata, paged_attention
-from batchjob.metal_backend.attention_plan import FOLD_SLACK, PAD_SLACK, causal_work, padded_groups, plan_attention
+from batchjob.metal_backend.attention_plan import (FOLD_SLACK, PAD_SLACK, causal_work, padded_groups,
+                                                    plan_attention, stack_folds)
 from batchjob.metal_backend.probe import make_ragged_batch
 
 SETTINGS = {  # the CPU's defaults, the GPU's (bf16) settings, and small chunks that force every path at once
@@ -259,19 +260,30 @@ def test_gpu_settings_in_half_precision_within_dtype_tolerance(rng, dense_refere
 
 
 def check_fold(call, q_lens, cached, tables, block_size):
-    """A folded call: its sequences share their cached full blocks; every row sees exactly its own keys."""
-    shared = cached[call.seqs[0]] // block_size * block_size
-    assert shared > 0 and call.batch == 1 and call.mask == "visible" and len(call.seqs) >= 2
-    for s in call.seqs:
-        assert np.array_equal(tables[s, :shared // block_size], tables[call.seqs[0], :shared // block_size])
-    assert call.visible.shape == (call.q_len, call.k_len) == (sum(q_lens[s] for s in call.seqs),
-                                                              shared + sum(q_lens[s] + cached[s] - shared
-                                                                           for s in call.seqs))
-    assert call.q_len * call.k_len <= FOLD_SLACK * sum(causal_work(q_lens[s], cached[s]) for s in call.seqs) + 1e-9
-    # each row sees (shared + its own position + 1) keys: the causal count of its sequence
-    seen = call.visible.sum(axis=1)
-    want = np.concatenate([cached[s] + np.arange(q_lens[s]) + 1 for s in call.seqs])
-    assert np.array_equal(seen, want)
+    """A folded call (one fold, or folds of several clips stacked on the batch axis): each fold's sequences share
+    their cached full blocks; every real row sees exactly its own keys; padded rows are dropped and padded keys
+    seen by no row."""
+    assert call.mask == "visible" and call.batch == call.folds >= 1
+    assert call.visible.shape == (call.folds, call.q_len, call.k_len)
+    rows = call.out_tokens.reshape(call.folds, call.q_len)
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    owner = {t: s for s in range(len(q_lens)) for t in range(cu[s], cu[s + 1])}
+    for f in range(call.folds):
+        real = rows[f][rows[f] >= 0]
+        assert np.all(rows[f][len(real):] < 0), "padded rows only at the end"
+        seqs = sorted({owner[int(t)] for t in real}, key=lambda s: cu[s])
+        assert len(seqs) >= 2 and set(seqs) <= set(call.seqs)
+        shared = cached[seqs[0]] // block_size * block_size
+        assert shared > 0
+        for s in seqs:
+            assert np.array_equal(tables[s, :shared // block_size], tables[seqs[0], :shared // block_size])
+        keys = shared + sum(q_lens[s] + cached[s] - shared for s in seqs)
+        assert len(real) == sum(q_lens[s] for s in seqs) and keys <= call.k_len
+        assert len(real) * keys <= FOLD_SLACK * sum(causal_work(q_lens[s], cached[s]) for s in seqs) + 1e-9
+        # each real row sees (shared + its own position + 1) keys: the causal count of its sequence
+        seen = call.visible[f, :len(real)].sum(axis=1)
+        want = np.concatenate([cached[s] + np.arange(q_lens[s]) + 1 for s in seqs])
+        assert np.array_equal(seen, want) and not call.visible[f, :, keys:].any()
 
 
 @pytest.mark.parametrize("trial", range(10))
@@ -344,3 +356,59 @@ def test_folds_respect_their_slack_and_rows(rng):
         check_fold(c, q_lens, cached, tables, 16)
         assert c.q_len <= 200
     check_plan(plan, q_lens, cached, query_chunk=4096, group_rows=200)
+
+
+@pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-5), (mx.bfloat16, 3e-2)])
+def test_followers_of_many_clips_are_one_stacked_call(rng, dense_reference, monkeypatch, dtype, tol):
+    """A step of the engine's job: the questions over several clips' cached prefixes, each clip's followers a fold,
+    the folds of clips of slightly different lengths stacked into one SDPA call (rows and keys padded); exact
+    against the dense per-sequence reference, with the other work of the pass beside them."""
+    block_size, clips = 16, int(rng.integers(3, 7))
+    q_lens, cached, groups = [], [], []
+    for clip in range(clips):
+        prefix = 62 * block_size + int(rng.integers(0, block_size - 1))   # 62 full blocks each, shared per clip
+        for _ in range(3):
+            q_lens.append(int(rng.integers(20, 40)))
+            cached.append(prefix)
+            groups.append(clip)
+    q_lens += [int(rng.integers(30, 60))]
+    cached += [0]
+    groups += [-1]
+    order = rng.permutation(len(q_lens))
+    q_lens, cached, groups = ([x[i] for i in order] for x in (q_lens, cached, groups))
+    batch = make_ragged_batch(rng, q_lens, cached, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=block_size,
+                              prefix_groups=groups, shared_blocks=62, dtype=dtype)
+    plan = plan_attention(batch.meta.cu_seqlens_q_host, batch.meta.context_lens_host, query_chunk=4096,
+                          group_rows=1 << 16, block_tables=batch.meta.block_tables_host, block_size=block_size)
+    check_plan(plan, q_lens, cached, query_chunk=4096, group_rows=1 << 16)
+    folded = [c for c in plan.calls if c.key_slots is not None]
+    assert len(folded) == 1 and folded[0].folds == clips, [c.folds for c in folded]
+    check_fold(folded[0], q_lens, cached, batch.meta.block_tables_host, block_size)
+    assert folded[0].padded_rows > 0 or len({sum(q for q, g in zip(q_lens, groups) if g == c)
+                                             for c in range(clips)}) == 1
+    spy = SdpaSpy(monkeypatch)
+    out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, new_kv=new_kv_of(batch),
+                          **SETTINGS["gpu"])
+    assert len(spy.calls) == plan.num_calls == 2   # the stacked folds, and the fresh prompt
+    err = np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - dense_reference(batch, 0.2)).max()
+    assert err < tol, err
+
+
+def test_stacks_keep_their_padding_within_slack(rng):
+    """A fold ten times another's size is not stacked with it; equal folds always are (up to group_rows)."""
+    def fold(q, k, seq):
+        from batchjob.metal_backend.attention_plan import SdpaCall
+        tokens = np.arange(seq * 100, seq * 100 + q, dtype=np.int32)
+        visible = np.ones((1, q, k), dtype=bool)
+        return SdpaCall((seq, seq + 1000), q, k, tokens, tokens.copy(), int(tokens[0]), None, None, "visible",
+                        np.arange(k, dtype=np.int32), visible, 1)
+
+    big, small = fold(400, 4000, 1), fold(40, 400, 2)
+    assert [c.folds for c in stack_folds([big, small], group_rows=1 << 16)] == [1, 1]
+    same = [fold(90, 2100, i) for i in range(5)]
+    assert [c.folds for c in stack_folds(same, group_rows=1 << 16)] == [5]
+    assert [c.folds for c in stack_folds(same, group_rows=200)] == [2, 2, 1]   # at most 200 rows a stack
+    near = [fold(int(rng.integers(80, 100)), int(rng.integers(2000, 2200)), i) for i in range(6)]
+    for c in stack_folds(near, group_rows=1 << 16):
+        members = [f for f in near if set(f.seqs) <= set(c.seqs)]
+        assert c.batch * c.q_len * c.k_len <= PAD_SLACK * sum(f.q_len * f.k_len for f in members)
