@@ -8,12 +8,16 @@ import numpy as np
 
 from .timing import ms_per_call
 
-# name -> (new tokens per sequence, cached tokens per sequence, clip sharing its cached prefix blocks)
-CASES = {"packed_prefill": ([2100] * 4, [0] * 4, False), "mixed_30000_5000_10": ([30000, 5000, 10], [0, 0, 0], False),
+# name -> (new tokens per sequence, cached tokens per sequence, clips whose cached prefix blocks the sequences
+# share, in equal runs; 0: none shared)
+CASES = {"packed_prefill": ([2100] * 4, [0] * 4, 0), "mixed_30000_5000_10": ([30000, 5000, 10], [0, 0, 0], 0),
          # questions over one clip's cached prefix, as the engine lays them out (shared blocks) and as before (not)
-         "follower": ([40] * 12, [2100] * 12, True), "follower_unshared": ([40] * 12, [2100] * 12, False)}
-SMALL = {"packed_prefill": ([21] * 4, [0] * 4, False), "mixed_30000_5000_10": ([300, 50, 1], [0, 0, 0], False),
-         "follower": ([6] * 12, [64] * 12, True), "follower_unshared": ([6] * 12, [64] * 12, False)}
+         "follower": ([40] * 12, [2100] * 12, 1), "follower_unshared": ([40] * 12, [2100] * 12, 0),
+         # a step's followers: three questions over each of eight clips
+         "follower_8_clips": ([40] * 24, [2100] * 24, 8)}
+SMALL = {"packed_prefill": ([21] * 4, [0] * 4, 0), "mixed_30000_5000_10": ([300, 50, 1], [0, 0, 0], 0),
+         "follower": ([6] * 12, [64] * 12, 1), "follower_unshared": ([6] * 12, [64] * 12, 0),
+         "follower_8_clips": ([6] * 24, [64] * 24, 8)}
 
 
 def attention_cases(dtype, engine_attention, repeats: int, shape: dict, small: bool = False) -> dict:
@@ -26,13 +30,13 @@ def attention_cases(dtype, engine_attention, repeats: int, shape: dict, small: b
     query and context, K/V already gathered: what a padded engine pays for attention alone)."""
     rng = np.random.default_rng(0)
     out = {}
-    for name, (q_lens, cached, shared) in (SMALL if small else CASES).items():
-        out[name] = _case(rng, dtype, engine_attention, repeats, shape, q_lens, cached, shared)
+    for name, (q_lens, cached, clips) in (SMALL if small else CASES).items():
+        out[name] = _case(rng, dtype, engine_attention, repeats, shape, q_lens, cached, clips)
         gc.collect()   # the case's cache and padded copies go before the next one's
     return out
 
 
-def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cached, shared: bool) -> dict:
+def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cached, clips: int) -> dict:
     import mlx.core as mx
 
     from batchjob.metal_backend import paged_attention
@@ -41,8 +45,9 @@ def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cache
     hq, hkv, d = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
     block_size = 16
     b = make_ragged_batch(rng, q_lens, cached, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=block_size,
-                          dtype=dtype, shuffle_blocks=False, prefix_groups=[0 if shared else -1] * len(q_lens),
-                          shared_blocks=min(cached) // block_size if shared else 0)
+                          dtype=dtype, shuffle_blocks=False,
+                          prefix_groups=[i * clips // len(q_lens) if clips else -1 for i in range(len(q_lens))],
+                          shared_blocks=min(cached) // block_size if clips else 0)
     scale = d ** -0.5
     row = {"flops": 4 * hq * d * sum(q * c + q * (q + 1) / 2 for q, c in zip(q_lens, cached))}
 
