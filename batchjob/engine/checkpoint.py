@@ -21,6 +21,7 @@ from batchjob.startup import StepClock
 
 from .device import activate, resolve_dtype, select_device
 from .families import ModelFamily, family_for, supported_model_types
+from .patchify import device_pixels
 from .preprocess import VisionSettings
 from .shards import weight_files
 from .types import EngineConfig, EngineError
@@ -42,6 +43,11 @@ class LoadedCheckpoint:
     dtype: mx.Dtype
     weights_bytes: int
     device: str = "cpu"  # "cpu" | "metal" | "cuda"
+
+    def encode_clip(self, inputs) -> mx.array:
+        """A prepared clip's vision features (`family.encode_video`), its patch bytes normalised on the device
+        (`patchify.device_pixels`): how the classifier, and benchmarks of its tower, run the tower."""
+        return self.family.encode_video(self.model, device_pixels(inputs), inputs.grid_thw, self.dtype)
 
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:

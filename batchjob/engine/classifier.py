@@ -24,7 +24,6 @@ from .attention import install_paged_attention
 from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .device import EngineRuntime, dtype_name
 from .memory_budget import MemoryBudgetError, MemoryPlan, plan_memory, read_device_memory
-from .patchify import device_pixels
 from .preprocess import check_frames, check_prepared, plan_video, preprocess_video
 from .prompt import PromptBuilder
 from .runner import forward
@@ -172,8 +171,7 @@ class Classifier:
                 inputs = clip.inputs or preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision)
                 if inputs.grid_thw != seq.grid_thw:
                     raise RuntimeError(f"processor grid {inputs.grid_thw} != planned {seq.grid_thw} for {clip.media_id}")
-                features = self.checkpoint.family.encode_video(self.checkpoint.model, device_pixels(inputs),
-                                                               inputs.grid_thw, self.checkpoint.dtype)
+                features = self.checkpoint.encode_clip(inputs)
                 # Started now, the tower runs on the device while Python builds the next clip's graph and the LM's
                 # (evaluated with the forward instead, the device would wait for all of that host work first).
                 mx.async_eval(features)

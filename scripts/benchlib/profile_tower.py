@@ -33,7 +33,7 @@ def profile_tower(bench, inputs, ceiling: float, *, inner: int, repeats: int) ->
     from batchjob.engine.vision_plan import TowerPlan
 
     ckpt, model_type, dims = bench.checkpoint, bench.model_type, bench.dims
-    tower, dtype, family = ckpt.model.vision_tower, ckpt.dtype, ckpt.family
+    tower, dtype = ckpt.model.vision_tower, ckpt.dtype
     grid = tuple(inputs.grid_thw)
     plan_fn = _planner(model_type)
     time_ = lambda fn, n=inner: ms_per_call(fn, inner=n, repeats=repeats)  # noqa: E731
@@ -77,7 +77,7 @@ def profile_tower(bench, inputs, ceiling: float, *, inner: int, repeats: int) ->
             merged = tower.merger(h)
             mx.eval(merged)
             steps["restore_order"] = time_(lambda: merged[blocks_plan.restore])
-        encode = lambda: family.encode_video(ckpt.model, device_pixels(inputs), grid, dtype)  # noqa: E731
+        encode = lambda: ckpt.encode_clip(inputs)  # noqa: E731
         out["engine_tower_ms"] = time_(encode, 1)   # as the engine calls it: from host pixels, plan cached
         with count_host_syncs() as log:
             mx.eval(encode())

@@ -41,6 +41,6 @@ def step_timeline(clf):
 def summarize_steps(log: dict, wall_s: float) -> dict:
     """Totals of one run's timeline (`step_timeline`) against its wall time."""
     forward, vision = sum(log["forward_s"]), sum(log["vision_host_s"])
-    return {"steps": len(log["forward_s"]), "forward_s": forward, "vision_graph_host_s": vision,
+    return {"steps": len(log["forward_s"]), "wall_s": wall_s, "forward_s": forward, "vision_graph_host_s": vision,
             "other_host_s": wall_s - forward - vision, "tokens_per_step": log["tokens"],
             "seqs_per_step": log["seqs"], "forward_s_per_step": [round(x, 4) for x in log["forward_s"]]}
