@@ -76,24 +76,30 @@ class PagedAttention(nn.Module):
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]
         if "qkv_proj" in inner:   # q/k/v stacked at load (lm_fusion.py): one GEMM, then views per head group
             qkv = inner.qkv_proj(x).reshape(num_tokens, hq + 2 * hkv, d)
-            v = qkv[:, hq + hkv:]
-            if hasattr(inner, "q_norm"):  # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
-                q, k = inner.q_norm(qkv[:, :hq]), inner.k_norm(qkv[:, hq:hq + hkv])
-                q, k = rope_heads(q, hq, cos, sin, ctx.rope), rope_heads(k, hkv, cos, sin, ctx.rope)
-            else:
-                qk = rope_heads(qkv, hq + hkv, cos, sin, ctx.rope)
-                q, k = qk[:, :hq], qk[:, hq:]
+            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
         else:
+            qkv = None
             q, k, v = (proj(x).reshape(num_tokens, h, d) for proj, h in
                        ((inner.q_proj, hq), (inner.k_proj, hkv), (inner.v_proj, hkv)))
-            if hasattr(inner, "q_norm"):
-                q, k = inner.q_norm(q), inner.k_norm(k)
-            q, k = rope_heads(q, hq, cos, sin, ctx.rope), rope_heads(k, hkv, cos, sin, ctx.rope)
+        if hasattr(inner, "q_norm"):  # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
+            q, k, qkv = inner.q_norm(q), inner.k_norm(k), None
+        q, k = rotate_qk(q, k, cos, sin, ctx.rope, stacked=qkv)
         cache, layer = ctx.kv_cache, self.layer_index
         cache.k[layer], cache.v[layer] = write_kv(cache.k[layer], cache.v[layer], k, v, ctx.meta)
         # The new K/V go along: sequences with nothing cached attend to them directly (no gather from the cache).
         out = ctx.attention(q, cache.k[layer], cache.v[layer], ctx.meta, inner.scale, new_kv=(k, v))
         return inner.o_proj(out.reshape(1, num_tokens, -1))
+
+
+def rotate_qk(q: mx.array, k: mx.array, cos: mx.array, sin: mx.array, tables: RotaryTables | None,
+              stacked: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """q `[T, Hq, D]` and k `[T, Hkv, D]` rotated (`fused_ops.rope_heads`): in one kernel over `stacked`, the
+    q/k/v projection's output they are still views of (heads on axis 1, q's first), else each alone."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if stacked is not None:
+        qk = rope_heads(stacked, hq + hkv, cos, sin, tables)
+        return qk[:, :hq], qk[:, hq:]
+    return rope_heads(q, hq, cos, sin, tables), rope_heads(k, hkv, cos, sin, tables)
 
 
 def install_paged_attention(language_model: nn.Module) -> int:

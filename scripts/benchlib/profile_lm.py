@@ -99,8 +99,8 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
     import mlx.core as mx
 
     from batchjob.engine import runner
-    from batchjob.engine.attention import AttentionContext, attention_context
-    from batchjob.engine.fused_ops import pairs_suit, rope_heads, split_tables, swiglu_halves
+    from batchjob.engine.attention import AttentionContext, attention_context, rotate_qk
+    from batchjob.engine.fused_ops import pairs_suit, split_tables, swiglu_halves
     from batchjob.metal_backend import write_kv
 
     lm, cache = clf.checkpoint.model.language_model, clf.kv_cache
@@ -135,13 +135,8 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
             q, k = attn.q_norm(q), attn.k_norm(k)
             qkv = None
         # the engine's rotary (attention.PagedAttention): q and k in one kernel when nothing came between
-        if qkv is not None:
-            steps["rope"] = time_(lambda: rope_heads(qkv, hq + hkv, c, s, tables))
-            qk = rope_heads(qkv, hq + hkv, c, s, tables)
-            q, k = qk[:, :hq], qk[:, hq:]
-        else:
-            steps["rope"] = time_(lambda: [rope_heads(q, hq, c, s, tables), rope_heads(k, hkv, c, s, tables)])
-            q, k = rope_heads(q, hq, c, s, tables), rope_heads(k, hkv, c, s, tables)
+        steps["rope"] = time_(lambda: list(rotate_qk(q, k, c, s, tables, stacked=qkv)))
+        q, k = rotate_qk(q, k, c, s, tables, stacked=qkv)
         mx.eval(q, k, v)
 
         def kv_write():   # in place, as the layer writes it (the old arrays are released, so no copy)
