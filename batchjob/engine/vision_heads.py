@@ -26,14 +26,14 @@ def padded_half(head_dim: int) -> int:
 def pad_rotary_heads(tower: nn.Module) -> int:
     """Pad the heads of every block's attention in `tower` (in place; idempotent) where a rotary half is not whole
     16-byte words; returns the number of blocks changed. Quantized or unusual attention is left alone."""
-    changed, pad, half = 0, 0, 0
+    changed, pad = 0, 0
     for block in tower.blocks:
         attn = getattr(block, "attn", None)
         qkv, proj = getattr(attn, "qkv", None), getattr(attn, "proj", None)
-        if type(qkv) is not nn.Linear or type(proj) is not nn.Linear or getattr(attn, "rotary_half", None):
+        if type(qkv) is not nn.Linear or type(proj) is not nn.Linear:
             continue
         d, heads = attn.head_dim, attn.num_heads
-        if d % 2 or pairs_suit(d) or qkv.weight.shape[0] != 3 * heads * d:
+        if d % 2 or pairs_suit(d) or qkv.weight.shape[0] != 3 * heads * d:   # padded heads suit: idempotent
             continue
         half = d // 2
         pad = padded_half(d) - half
@@ -46,9 +46,9 @@ def pad_rotary_heads(tower: nn.Module) -> int:
         proj.weight = mx.pad(proj.weight.reshape(cout, heads, 2, half), [(0, 0), (0, 0), (0, 0), (0, pad)]
                              ).reshape(cout, -1)
         attn.head_dim = 2 * (half + pad)     # attn.scale stays that of the true head size
-        attn.rotary_half = half
+        attn.rotary_half = half              # the true half, for the record
         changed += 1
-    if changed and not getattr(tower, "_batchjob_rot_pad", 0):
+    if changed:   # a second call pads nothing (its heads suit), so mlx-vlm's tables are padded once
         original = tower.rot_pos_emb          # mlx-vlm's tables for its own forward: zero frequencies appended
 
         def rot_pos_emb(grid_thw, original=original, pad=pad):
@@ -56,5 +56,4 @@ def pad_rotary_heads(tower: nn.Module) -> int:
             return mx.pad(freqs, [(0, 0)] * (freqs.ndim - 1) + [(0, pad)])
 
         object.__setattr__(tower, "rot_pos_emb", rot_pos_emb)
-        object.__setattr__(tower, "_batchjob_rot_pad", pad)
     return changed

@@ -193,8 +193,8 @@ def _fold_call(seqs: list[int], cu: np.ndarray, ctx: np.ndarray, prefix: np.ndar
         limit = int(prefix[s]) + np.arange(q_len)   # row j sees positions <= prefix + j
         visible[row:row + q_len, col:col + len(mine)] = positions[None, :] <= limit[:, None]
         row, col = row + q_len, col + len(mine)
-    q_start = int(q_tokens[0]) if np.array_equal(q_tokens, q_tokens[0] + np.arange(len(q_tokens))) else None
-    return SdpaCall(tuple(int(x) for x in seqs), len(q_tokens), len(key_slots), q_tokens, q_tokens.copy(), q_start,
+    return SdpaCall(tuple(int(x) for x in seqs), len(q_tokens), len(key_slots), q_tokens, q_tokens.copy(),
+                    _run_start(q_tokens, q_tokens),
                     None, None, "visible", key_slots, visible[None], 1)
 
 
@@ -230,9 +230,15 @@ def _stacked(members: list[SdpaCall]) -> SdpaCall:
         visible[i, f.q_len:, 0] = True
     q_tokens = np.concatenate(q_tokens).astype(np.int32)
     out_tokens = np.concatenate(out_tokens).astype(np.int32)
-    q_start = int(q_tokens[0]) if np.array_equal(out_tokens, q_tokens[0] + np.arange(len(q_tokens))) else None
-    return SdpaCall(tuple(s for f in members for s in f.seqs), q_len, k_len, q_tokens, out_tokens, q_start, None,
+    return SdpaCall(tuple(s for f in members for s in f.seqs), q_len, k_len, q_tokens, out_tokens,
+                    _run_start(q_tokens, out_tokens), None,
                     None, "visible", np.concatenate(key_slots).astype(np.int32), visible, len(members))
+
+
+def _run_start(q_tokens: np.ndarray, out_tokens: np.ndarray) -> int | None:
+    """The first token when a call's output rows are the flat tokens `[first, first + len)` in order (its query
+    is then a view of q, not a gather), else None."""
+    return int(q_tokens[0]) if np.array_equal(out_tokens, q_tokens[0] + np.arange(len(q_tokens))) else None
 
 
 def _call(seqs, q_first, q_count, k_len: int, cu: np.ndarray, ctx: np.ndarray, prefix: np.ndarray,
@@ -244,7 +250,7 @@ def _call(seqs, q_first, q_count, k_len: int, cu: np.ndarray, ctx: np.ndarray, p
     q_tokens = np.concatenate([first + np.minimum(steps, count - 1) for first, count in zip(q_first, q_count)])
     out_tokens = np.concatenate([np.where(steps < count, first + steps, -1) for first, count in zip(q_first, q_count)])
     q_tokens, out_tokens = q_tokens.astype(np.int32), out_tokens.astype(np.int32)
-    q_start = int(q_tokens[0]) if np.array_equal(out_tokens, q_tokens[0] + np.arange(len(q_tokens))) else None
+    q_start = _run_start(q_tokens, out_tokens)
     key_tokens = k_start = None
     if all(prefix[s] == 0 for s in seqs):  # nothing cached: key position p of sequence s is its new token cu[s] + p
         keys = np.arange(k_len)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from batchjob.engine.shards import weight_files as engine_weight_files
 
+
 def weight_files(checkpoint: str | os.PathLike) -> list[Path]:
     """The weight files the engine will read from a local checkpoint directory, in its order
     (`engine.shards.weight_files`); [] for a hub id or a missing folder."""
