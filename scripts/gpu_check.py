@@ -186,7 +186,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             report[name] = fn()
-        except Exception as exc:
+        except Exception:
             import traceback
 
             report[name] = {"error": traceback.format_exc()[-2000:]}

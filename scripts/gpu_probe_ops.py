@@ -3,7 +3,7 @@ what the engine uses. Sections (`--sections`): `upload` (float32 patches vs patc
 `vrope` (rotate-half with a concatenation vs a pair swap; SDPA on strided vs contiguous inputs), `gelu`, `lm`
 (q/k norms, rotary, KV write), `v2` (Qwen3-VL's head_dim 72, GELU in fp32, fused norm + rotary), `v3` (the q/k
 RMSNorm's row reduction), `kv` (the KV scatter in bf16 vs as 32-bit words), `upload_ab` (the engine end to end with patch bytes through managed memory vs a file
-in shared memory). Prints ms per call (medians of 5) and writes gpu_probe_ops.json.
+in shared memory), `fused` (engine/cuda_fused.py's kernel vs the portable form; the KV scatter as 32-bit words). Prints ms per call (medians of 5) and writes gpu_probe_ops.json.
 
     python3 scripts/gpu_probe_ops.py --out DIR [--sections ...] [--small]
 """
@@ -394,6 +394,70 @@ def main() -> None:
             rows[f"kv.{tag}.u32_equal"] = bool(np.array_equal(ref, got))
             t(f"kv.{tag}.sync_only", lambda: [k + 0], inner=1)
             del state, kc, vc
+
+    # --- fused: the hand-written CUDA kernel (engine/cuda_fused.py) vs the portable form, and the KV scatter
+    # through 32-bit words
+    if "fused" in args.sections:
+        from batchjob.engine import cuda_fused
+        start = time.perf_counter()
+        kernels = cuda_fused.select_fused_kernels("cuda", bf)
+        rows["fused.select_s"] = round(time.perf_counter() - start, 3)
+        rows["fused.summary"] = kernels.summary()
+        print(kernels.summary(), flush=True)
+        qk_kernel = cuda_fused.qk_norm_rope_with(cuda_fused._qk_norm_rope_kernel())
+        for tag, (T, hq, hkv) in {"q25": (16952 // div, 28, 4), "q3": (13896 // div, 32, 8)}.items():
+            d = 128
+            qkv = (mx.random.normal((T, hq + 2 * hkv, d)) * 2).astype(bf)
+            ang = mx.random.uniform(0, 6.3, (T, d // 2))
+            cos2 = mx.concatenate([mx.cos(ang)] * 2, axis=1).astype(bf)
+            sin2 = mx.concatenate([mx.sin(ang)] * 2, axis=1).astype(bf)
+            qn = cuda_fused._Norm((mx.random.normal((d,)) * 0.3 + 1).astype(bf), 1e-6)
+            kn = cuda_fused._Norm((mx.random.normal((d,)) * 0.3 + 1).astype(bf), 1e-6)
+            from batchjob.engine.fused_ops import split_tables
+            tables = split_tables(cos2[:, None, :], sin2[:, None, :])
+            mx.eval(qkv, cos2, sin2, qn.weight, kn.weight, tables.cos, tables.sin)
+            t(f"fused.{tag}.qk_norm_rope_portable",
+              lambda: cuda_fused.portable_qk_norm_rope(qkv, hq, hkv, qn, kn, cos2, sin2, tables))
+            t(f"fused.{tag}.qk_norm_rope_kernel", lambda: qk_kernel(qkv, hq, hkv, qn, kn, cos2, sin2))
+            rows[f"fused.{tag}.qk_norm_rope_ulps"] = cuda_fused._ulps_apart(
+                qk_kernel(qkv, hq, hkv, qn, kn, cos2, sin2),
+                cuda_fused.portable_qk_norm_rope(qkv, hq, hkv, qn, kn, cos2, sin2, tables), bf)
+            # KV write: the scatter as bf16 elements vs 32-bit words, small and large caches
+            k_new = mx.contiguous(qkv[:, hq:hq + hkv])
+            mx.eval(k_new)
+            for blocks_per_token, label in ((1, "cache1x"), (8, "cache8x")):
+                bs = 16
+                nb = max(T * blocks_per_token // bs, 64)
+                state = {"k": mx.zeros((nb, bs, hkv, d), dtype=bf)}
+                mx.eval(state["k"])
+                slots = mx.array(np.arange(T, dtype=np.int32))
+
+                def write(word, state=state, nb=nb, bs=bs, slots=slots):
+                    def run():
+                        flat = state["k"].reshape(nb * bs, hkv * d)
+                        if word is None:
+                            flat[slots] = k_new.reshape(T, hkv * d)
+                        else:
+                            flat = flat.view(word)
+                            flat[slots] = k_new.reshape(T, hkv * d).view(word)
+                            flat = flat.view(bf)
+                        state["k"] = flat.reshape(nb, bs, hkv, d)
+                        return [state["k"]]
+                    return run
+
+                for word, wl in ((None, "bf16"), (mx.uint32, "u32")):
+                    try:
+                        t(f"fused.{tag}.kv_{label}_{wl}", write(word), inner=1)
+                    except Exception as exc:
+                        rows[f"fused.{tag}.kv_{label}_{wl}_error"] = f"{type(exc).__name__}: {exc}"[:200]
+                try:
+                    ref = np.array(write(None)()[0].astype(mx.float32))
+                    got = np.array(write(mx.uint32)()[0].astype(mx.float32))
+                    rows[f"fused.{tag}.kv_{label}_u32_equal"] = bool(np.array_equal(ref, got))
+                except Exception as exc:
+                    rows[f"fused.{tag}.kv_{label}_u32_equal_error"] = f"{type(exc).__name__}: {exc}"[:200]
+                del state
+            del qkv
 
     env = {"device": str(mx.default_device()), "mlx": mx.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:

@@ -51,6 +51,10 @@ PLATFORMS = ("--platform", "manylinux_2_35_x86_64", "--platform", "manylinux_2_2
 # architecture by shared/tools/slim_mlx_cuda.py (the wheel carries cubins for six).
 MLX_WHEELS = ("mlx==0.32.4", "mlx-cuda-13==0.32.4", "mlx-vlm==0.7.10")
 SLIM_TOOL = ROOT.parent / "shared" / "tools" / "slim_mlx_cuda.py"
+# mlx-vlm ships a package per model family (hundreds); the engine imports only the families it runs (plus the
+# shared modules beside them), so the others stay behind: the room lets the pipeline's archive and MLX's travel
+# in one call with the checkout.
+MLX_VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 DROP_SUFFIXES = (".pyi", ".pxd", ".pyx", ".pyc", ".h", ".hpp", ".cpp", ".c", ".cu", ".java")
 
 
@@ -87,6 +91,14 @@ def slim_mlx(site: Path, sm: int) -> None:
     tmp = lib.with_name("libmlx.slim.so")
     subprocess.run([sys.executable, str(SLIM_TOOL), str(lib), str(tmp), str(sm)], check=True)
     tmp.replace(lib)
+
+
+def drop_other_families(site: Path, keep: tuple[str, ...] = MLX_VLM_FAMILIES) -> None:
+    """Remove mlx-vlm's model packages other than `keep` (its modules directly under models/ stay)."""
+    models = site / "mlx_vlm" / "models"
+    for family in (p for p in models.iterdir() if p.is_dir()):
+        if family.name not in keep and family.name != "__pycache__":
+            shutil.rmtree(family)
 
 
 def is_elf(path: Path) -> bool:
@@ -142,6 +154,7 @@ def main() -> None:
     before = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
     if args.what == "mlx":
         slim_mlx(site, args.sm)
+        drop_other_families(site)
     slim(site, keep_headers=args.what == "mlx")
     after = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
     if args.site_only:

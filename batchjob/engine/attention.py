@@ -18,6 +18,8 @@ import mlx.nn as nn
 
 from batchjob.metal_backend import AttentionMetadata, KVCache, write_kv
 
+from .cuda_fused import active as active_fused_kernels
+from .cuda_fused import qk_norm_rope_suits
 from .fused_ops import RotaryTables, rope_heads
 
 AttentionFn = Callable[..., mx.array]  # (q, k_cache, v_cache, meta, scale, *, new_kv=None) -> [T, Hq, D]
@@ -69,11 +71,11 @@ class PagedAttention(nn.Module):
         inner = self.inner
         _, num_tokens, _ = x.shape  # the packed batch is one row: [1, T, hidden]
         hq, hkv, d = inner.n_heads, inner.n_kv_heads, inner.head_dim
-        cos, sin = position_embeddings   # [1, T, D]: one row per token, broadcast over the heads (axis 1 here)
+        cos2, sin2 = (table[0] for table in position_embeddings)   # [T, D]: one row per token
         # The rotary embedding is elementwise: applied token-major (heads on axis 1) it gives the same values as
         # mlx-vlm's head-major call, in the packed layout that the cache write and SDPA's views read without a
         # transpose copy; compiled, it is one kernel (for q and k together where no q/k norm comes between).
-        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        cos, sin = cos2[:, None, :], sin2[:, None, :]   # broadcast over the heads (axis 1 here)
         if "qkv_proj" in inner:   # q/k/v stacked at load (lm_fusion.py): one GEMM, then views per head group
             qkv = inner.qkv_proj(x).reshape(num_tokens, hq + 2 * hkv, d)
             q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
@@ -81,9 +83,14 @@ class PagedAttention(nn.Module):
             qkv = None
             q, k, v = (proj(x).reshape(num_tokens, h, d) for proj, h in
                        ((inner.q_proj, hq), (inner.k_proj, hkv), (inner.v_proj, hkv)))
-        if hasattr(inner, "q_norm"):  # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
-            q, k, qkv = inner.q_norm(q), inner.k_norm(k), None
-        q, k = rotate_qk(q, k, cos, sin, ctx.rope, stacked=qkv)
+        fused = active_fused_kernels().qk_norm_rope
+        if not hasattr(inner, "q_norm"):
+            q, k = rotate_qk(q, k, cos, sin, ctx.rope, stacked=qkv)
+        elif fused is not None and qkv is not None and qk_norm_rope_suits(qkv, d):   # one CUDA kernel
+            qk = fused(qkv, hq, hkv, inner.q_norm, inner.k_norm, cos2, sin2)
+            q, k = qk[:, :hq], qk[:, hq:]
+        else:   # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
+            q, k = rotate_qk(inner.q_norm(q), inner.k_norm(k), cos, sin, ctx.rope)
         cache, layer = ctx.kv_cache, self.layer_index
         cache.k[layer], cache.v[layer] = write_kv(cache.k[layer], cache.v[layer], k, v, ctx.meta)
         # The new K/V go along: sequences with nothing cached attend to them directly (no gather from the cache).
@@ -100,6 +107,12 @@ def rotate_qk(q: mx.array, k: mx.array, cos: mx.array, sin: mx.array, tables: Ro
         qk = rope_heads(stacked, hq + hkv, cos, sin, tables)
         return qk[:, :hq], qk[:, hq:]
     return rope_heads(q, hq, cos, sin, tables), rope_heads(k, hkv, cos, sin, tables)
+
+
+def has_qk_norms(language_model: nn.Module) -> bool:
+    """Whether the decoder normalises q and k per head before the rotary embedding (Qwen3)."""
+    layers = language_model.model.layers
+    return bool(layers) and hasattr(getattr(layers[0].self_attn, "inner", layers[0].self_attn), "q_norm")
 
 
 def install_paged_attention(language_model: nn.Module) -> int:

@@ -20,8 +20,10 @@ from batchjob.metal_backend.selection import gpu_portable_attention
 
 from batchjob.startup import StepClock
 
-from .attention import install_paged_attention
+from .attention import has_qk_norms, install_paged_attention
 from .checkpoint import LoadedCheckpoint, load_checkpoint
+from .cuda_fused import activate as activate_fused_kernels
+from .cuda_fused import select_fused_kernels
 from .device import EngineRuntime, dtype_name
 from .memory_budget import MemoryBudgetError, MemoryPlan, plan_memory, read_device_memory
 from .preprocess import check_frames, check_prepared, plan_video, preprocess_video
@@ -70,7 +72,7 @@ def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_l
     return plan, auto_tokens
 
 
-CUDA_REASON = "NVIDIA GPU: the portable path on cuDNN's fused SDPA (no custom CUDA kernels: docs/cuda_kernels.md)"
+CUDA_REASON = "NVIDIA GPU: the portable path on cuDNN's fused SDPA (no custom CUDA attention kernels: docs/cuda_kernels.md)"
 
 
 def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tuple[str, str, object]:
@@ -100,11 +102,15 @@ class Classifier:
         self.model_id = checkpoint.model_id
         self.prompts = PromptBuilder(checkpoint.tokenizer, config, checkpoint.video_token_id, str(checkpoint.path))
         self.attention_backend, reason, self._attention = _select_attention(config, checkpoint)
-        self.runtime = EngineRuntime(checkpoint.device, dtype_name(checkpoint.dtype), self.attention_backend, reason)
-        clock.mark("attention_select")
         self._device = mx.cpu if checkpoint.device == "cpu" else mx.gpu  # pinned: several engines may share a process
         lm = checkpoint.model.language_model
         num_layers = install_paged_attention(lm)
+        self.fused_kernels = select_fused_kernels(checkpoint.device, checkpoint.dtype, qk_norms=has_qk_norms(lm))
+        activate_fused_kernels(self.fused_kernels)
+        log.info("fused kernels: %s", self.fused_kernels.summary())
+        self.runtime = EngineRuntime(checkpoint.device, dtype_name(checkpoint.dtype), self.attention_backend, reason,
+                                     self.fused_kernels.summary())
+        clock.mark("attention_select")
         kv_heads, head_dim = checkpoint.family.kv_shape(lm)   # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
         self.memory, self.auto_batched_tokens = plan_engine_memory(checkpoint, config, num_layers)
         num_blocks = self.memory.kv_blocks

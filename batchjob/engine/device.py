@@ -27,10 +27,11 @@ class EngineRuntime:
     dtype: str  # "float32" | "float16" | "bfloat16"
     attention_backend: str  # "portable" | "metal"
     attention_reason: str
+    fused_kernels: str = "none"   # the hand-written kernels in use and why (cuda_fused.FusedKernels.summary)
 
     def as_dict(self) -> dict[str, str]:
         return {"device": self.device, "dtype": self.dtype, "attention_backend": self.attention_backend,
-                "attention_reason": self.attention_reason}
+                "attention_reason": self.attention_reason, "fused_kernels": self.fused_kernels}
 
 
 def gpu_kind() -> str | None:

@@ -52,9 +52,12 @@ def write_kv(
         )
     if meta.block_size != bs:
         raise ValueError(f"write_kv: metadata built for block_size {meta.block_size}, cache has {bs}")
-    slots = meta.slot_mapping
-    k_flat = k_cache.reshape(nb * bs, hkv, d)
-    v_flat = v_cache.reshape(nb * bs, hkv, d)
-    k_flat[slots] = k_new.astype(k_cache.dtype)
-    v_flat[slots] = v_new.astype(v_cache.dtype)
-    return k_flat.reshape(nb, bs, hkv, d), v_flat.reshape(nb, bs, hkv, d)
+    slots, width, dtype = meta.slot_mapping, hkv * d, k_cache.dtype
+    # Half-precision rows move as 32-bit words: the same bits, half the elements for the scatter to index.
+    word = mx.uint32 if dtype.size == 2 and width % 2 == 0 else dtype
+    written = []
+    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+        flat = cache.reshape(nb * bs, width).view(word)
+        flat[slots] = new.astype(dtype).reshape(meta.num_tokens, width).view(word)
+        written.append(flat.view(dtype).reshape(nb, bs, hkv, d))
+    return written[0], written[1]

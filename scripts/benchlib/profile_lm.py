@@ -17,7 +17,7 @@ from .syncs import count_host_syncs, layers_marked
 from .timing import ms_per_call
 
 CATEGORIES = {"matmuls": ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down"), "attention": ("attention",),
-              "norms": ("input_norm", "post_norm", "qk_norm"), "rotary": ("rope",), "kv_write": ("kv_write",),
+              "norms": ("input_norm", "post_norm", "qk_norm", "qk_norm_rope"), "rotary": ("rope",), "kv_write": ("kv_write",),
               "elementwise": ("mlp_act", "residual_adds")}
 
 
@@ -100,6 +100,7 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
 
     from batchjob.engine import runner
     from batchjob.engine.attention import AttentionContext, attention_context, rotate_qk
+    from batchjob.engine.cuda_fused import active, qk_norm_rope_suits
     from batchjob.engine.fused_ops import pairs_suit, split_tables, swiglu_halves
     from batchjob.metal_backend import write_kv
 
@@ -130,13 +131,21 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
             steps["qkv_proj"] = time_(lambda: [attn.q_proj(xn), attn.k_proj(xn), attn.v_proj(xn)])
             q, k, v = (p(xn).reshape(t, h, d) for p, h in ((attn.q_proj, hq), (attn.k_proj, hkv), (attn.v_proj, hkv)))
             qkv = None
-        if hasattr(attn, "q_norm"):
-            steps["qk_norm"] = time_(lambda: [attn.q_norm(q), attn.k_norm(k)])
-            q, k = attn.q_norm(q), attn.k_norm(k)
-            qkv = None
-        # the engine's rotary (attention.PagedAttention): q and k in one kernel when nothing came between
-        steps["rope"] = time_(lambda: list(rotate_qk(q, k, c, s, tables, stacked=qkv)))
-        q, k = rotate_qk(q, k, c, s, tables, stacked=qkv)
+        fused = active().qk_norm_rope
+        if hasattr(attn, "q_norm") and fused is not None and qkv is not None and qk_norm_rope_suits(qkv, d):
+            # the engine's CUDA kernel (cuda_fused): norms and rotary in one pass
+            norm_rope = lambda: fused(qkv, hq, hkv, attn.q_norm, attn.k_norm, cos[0], sin[0])  # noqa: E731
+            steps["qk_norm_rope"] = time_(norm_rope)
+            qk = norm_rope()
+            q, k = qk[:, :hq], qk[:, hq:]
+        else:
+            if hasattr(attn, "q_norm"):
+                steps["qk_norm"] = time_(lambda: [attn.q_norm(q), attn.k_norm(k)])
+                q, k = attn.q_norm(q), attn.k_norm(k)
+                qkv = None
+            # the engine's rotary (attention.PagedAttention): q and k in one kernel when nothing came between
+            steps["rope"] = time_(lambda: list(rotate_qk(q, k, c, s, tables, stacked=qkv)))
+            q, k = rotate_qk(q, k, c, s, tables, stacked=qkv)
         mx.eval(q, k, v)
 
         def kv_write():   # in place, as the layer writes it (the old arrays are released, so no copy)

@@ -1,0 +1,221 @@
+"""Qwen3's per-head q/k RMSNorm and the rotary embedding after it as one hand-written CUDA kernel.
+
+On NVIDIA GPUs the decoder layer's GEMMs run near the measured ceiling; what is left beyond them is passes over
+activations. In MLX the q/k norm is a row reduction over 128-wide rows (slow on its CUDA backend), a rounding
+to the input's dtype, then a rotary kernel: three passes over q and k. The kernel gives one warp a head row:
+the sum of squares by shuffles, the rotary partner half from the lane 16 away, one read and one write.
+(SwiGLU was tried the same way and measured: MLX's compiled form already runs at memory bandwidth there.)
+
+The kernel rounds where MLX's path rounds (the norm's output to the input's dtype before the weight, the weight
+product, each rotary product and their sum), so it agrees with it except where a float sum of squares taken in
+another order moves a rounding: a unit in the last place of a typical element. The engine builds it once at
+start on CUDA in half precision and compares it with the portable form on random inputs
+(`select_fused_kernels`); a kernel that fails to build or to match is not used, and the reason is in the run's
+summary. Elsewhere (CPU, Metal, float32) nothing is built and the portable form runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .fused_ops import RotaryTables, rope_heads, split_tables
+
+HALF_DTYPES = (mx.bfloat16, mx.float16)
+THREADS = 256
+
+_QK_NORM_ROPE = r"""
+    constexpr int E = D / 32;
+    constexpr int ROWS = HQ + HK;
+    const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x & 31;
+    const long long tokens = qkv_shape[0];
+    const int heads = qkv_shape[1];
+    if (row >= tokens * ROWS) return;   // a warp's lanes share `row`: whole warps leave together
+    const long long t = row / ROWS;
+    const int h = (int)(row - t * ROWS);
+    const T* x = qkv + (t * heads + h) * D + lane * E;
+    const T* w = (h < HQ ? q_weight : k_weight) + lane * E;
+    const C* c = cos_table + t * D + lane * E;
+    const C* s = sin_table + t * D + lane * E;
+    float v[E];
+    float squares = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {
+        v[i] = static_cast<float>(x[i]);
+        squares += v[i] * v[i];
+    }
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+    }
+    const float inv = rsqrtf(squares / D + eps[0]);
+    T* o = out + row * D + lane * E;
+    constexpr bool ROUND_TABLES = sizeof(C) == sizeof(T);
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const float normed = static_cast<float>(static_cast<T>(v[i] * inv));
+        v[i] = static_cast<float>(static_cast<T>(normed * static_cast<float>(w[i])));
+    }
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const float partner = __shfl_xor_sync(0xffffffffu, v[i], 16);   // element i + D/2 (or i - D/2)
+        const float rotated = lane < 16 ? -partner : partner;
+        float a = v[i] * static_cast<float>(c[i]);
+        float b = rotated * static_cast<float>(s[i]);
+        if (ROUND_TABLES) {
+            a = static_cast<float>(static_cast<T>(a));
+            b = static_cast<float>(static_cast<T>(b));
+        }
+        o[i] = static_cast<T>(a + b);
+    }
+"""
+
+
+def _qk_norm_rope_kernel():
+    return mx.fast.cuda_kernel(name="batchjob_qk_norm_rope",
+                               input_names=["qkv", "q_weight", "k_weight", "cos_table", "sin_table", "eps"],
+                               output_names=["out"], source=_QK_NORM_ROPE)
+
+
+def qk_norm_rope_suits(qkv: mx.array, head_dim: int) -> bool:
+    """Half precision; a warp's 32 lanes split a head row evenly, the rotary halves on lanes 0-15 and 16-31."""
+    return qkv.dtype in HALF_DTYPES and head_dim % 64 == 0 and head_dim <= 256
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """The kernels in use (None: the portable form runs) and why, for the run's summary."""
+
+    qk_norm_rope: Callable[..., mx.array] | None = None
+    reason: str = "not built"
+
+    def summary(self) -> str:
+        used = [name for name in ("qk_norm_rope",) if getattr(self, name) is not None]
+        return f"{', '.join(used) or 'none'} ({self.reason})"
+
+
+def qk_norm_rope_with(kernel) -> Callable[..., mx.array]:
+    """RMSNorm then rotary for the first `hq + hkv` heads of `qkv [T, heads, D]` (q's heads first, then k's):
+    `[T, hq + hkv, D]`. `cos`/`sin` `[T, D]` are the rotate-half tables; `q_norm`/`k_norm` MLX RMSNorms."""
+
+    eps_arrays: dict[float, mx.array] = {}
+
+    def qk_norm_rope(qkv: mx.array, hq: int, hkv: int, q_norm, k_norm, cos: mx.array, sin: mx.array) -> mx.array:
+        tokens, _, d = qkv.shape
+        if q_norm.eps != k_norm.eps:
+            raise ValueError(f"q_norm eps {q_norm.eps} and k_norm eps {k_norm.eps} differ: the kernel takes one")
+        eps = eps_arrays.setdefault(q_norm.eps, mx.array([q_norm.eps], dtype=mx.float32))
+        (out,) = kernel(inputs=[qkv, q_norm.weight.astype(qkv.dtype), k_norm.weight.astype(qkv.dtype), cos, sin, eps],
+                        template=[("T", qkv.dtype), ("C", cos.dtype), ("HQ", hq), ("HK", hkv), ("D", d)],
+                        grid=(tokens * (hq + hkv) * 32, 1, 1), threadgroup=(THREADS, 1, 1),
+                        output_shapes=[(tokens, hq + hkv, d)], output_dtypes=[qkv.dtype])
+        return out
+
+    return qk_norm_rope
+
+
+def portable_qk_norm_rope(qkv: mx.array, hq: int, hkv: int, q_norm, k_norm, cos: mx.array, sin: mx.array,
+                          tables: RotaryTables | None = None) -> mx.array:
+    """What the layer computes without the kernel (the reference of the start-up check): `[T, hq + hkv, D]`."""
+    q, k = q_norm(qkv[:, :hq]), k_norm(qkv[:, hq:hq + hkv])
+    c, s = cos[:, None, :], sin[:, None, :]
+    t = tables or split_tables(c, s)
+    return mx.concatenate([rope_heads(q, hq, c, s, t), rope_heads(k, hkv, c, s, t)], axis=1)
+
+
+class _Norm:
+    """An RMSNorm's weight and eps, as the kernels read them (MLX's `nn.RMSNorm` has the same attributes)."""
+
+    def __init__(self, weight: mx.array, eps: float):
+        self.weight, self.eps = weight, eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
+def _ulps_apart(got: mx.array, want: mx.array, dtype: mx.Dtype) -> float:
+    """Largest |got - want| in units of the dtype's spacing at the larger of the two, and never below the spacing
+    at the values' root mean square: a rounding of a typical operand counts once even where products cancel
+    to a small result, while a wrong element (a wrong partner, weight or row) is many units off."""
+    g = np.array(got.astype(mx.float32)).ravel()
+    w = np.array(want.astype(mx.float32)).ravel()
+    if g.shape != w.shape:
+        return float("inf")
+    if not g.size:
+        return 0.0
+    mantissa = 7 if dtype == mx.bfloat16 else 10
+    floor = max(float(np.sqrt(np.mean(w.astype(np.float64) ** 2))), 1e-30)
+    scale = np.maximum(np.maximum(np.abs(w), np.abs(g)), floor)
+    spacing = np.exp2(np.floor(np.log2(scale)) - mantissa)
+    ulps = np.abs(g - w) / spacing
+    return float(np.max(np.where(np.isfinite(g) & np.isfinite(w), ulps, np.inf)))
+
+
+# A sum of squares taken in another order moves a rounding of an element by a step of its own size (up to a few
+# times the root mean square: measured 2 units at the 8B shapes); a wrong element is off by its own size, over
+# a hundred units.
+MAX_ULPS = 8.0
+
+
+def check_qk_norm_rope(qk_norm_rope, dtype: mx.Dtype, seed: int = 0) -> str | None:
+    """None when `qk_norm_rope` matches the portable form on random heads and tables, else the problem."""
+    rng = np.random.default_rng(seed)
+    tokens, hq, hkv, d = 19, 4, 2, 128
+
+    def arr(*shape, scale=1.0):
+        return mx.array((rng.normal(0, scale, shape)).astype(np.float32)).astype(dtype)
+
+    qkv = arr(tokens, hq + 2 * hkv, d, scale=2.0)
+    angles = rng.uniform(0, 6.3, (tokens, d // 2)).astype(np.float32)
+    cos = mx.array(np.concatenate([np.cos(angles)] * 2, axis=1)).astype(dtype)
+    sin = mx.array(np.concatenate([np.sin(angles)] * 2, axis=1)).astype(dtype)
+    q_norm, k_norm = _Norm(arr(d, scale=0.5) + 1, 1e-6), _Norm(arr(d, scale=0.5) + 1, 1e-6)
+    got = qk_norm_rope(qkv, hq, hkv, q_norm, k_norm, cos, sin)
+    ulps = _ulps_apart(got, portable_qk_norm_rope(qkv, hq, hkv, q_norm, k_norm, cos, sin), dtype)
+    if ulps > MAX_ULPS:
+        return f"q/k norm + rotary differs from the portable form by {ulps:.1f} units in the last place"
+    return None
+
+
+def select_fused_kernels(device: str, dtype: mx.Dtype, *, qk_norms: bool = True,
+                         build_qk_norm_rope=_qk_norm_rope_kernel) -> FusedKernels:
+    """The kernels to use for `device` ("cpu" | "metal" | "cuda") and the engine's `dtype`: on CUDA in half
+    precision, each one that builds and matches the portable form (the builder injectable for tests).
+    `qk_norms`: whether the model's attention normalises q and k (Qwen3); without them nothing is built."""
+    if not qk_norms:
+        return FusedKernels(reason="no q/k norms in this model")
+    if device != "cuda":
+        return FusedKernels(reason=f"portable forms on {device}")
+    if dtype not in HALF_DTYPES:
+        return FusedKernels(reason=f"portable forms in {dtype}: the kernels are for half precision")
+    chosen, problems = {}, []
+    for name, build, wrap, check in (("qk_norm_rope", build_qk_norm_rope, qk_norm_rope_with, check_qk_norm_rope),):
+        try:
+            fn = wrap(build())
+            problem = check(fn, dtype)
+        except Exception as exc:   # NVRTC errors, a missing header: the portable form still works
+            problem = f"{name} failed to build or run: {type(exc).__name__}: {str(exc)[:300]}"
+        if problem is None:
+            chosen[name] = fn
+        else:
+            problems.append(problem)
+    reason = "; ".join(problems) if problems else "CUDA kernels matched the portable forms at start"
+    return FusedKernels(reason=reason, **chosen)
+
+
+_ACTIVE = FusedKernels()
+
+
+def activate(kernels: FusedKernels) -> None:
+    """Make `kernels` the ones the layers call (a process runs one engine's device and dtype)."""
+    global _ACTIVE
+    _ACTIVE = kernels
+
+
+def active() -> FusedKernels:
+    return _ACTIVE
+
