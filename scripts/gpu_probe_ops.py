@@ -3,7 +3,8 @@ what the engine uses. Sections (`--sections`): `upload` (float32 patches vs patc
 `vrope` (rotate-half with a concatenation vs a pair swap; SDPA on strided vs contiguous inputs), `gelu`, `lm`
 (q/k norms, rotary, KV write), `v2` (Qwen3-VL's head_dim 72, GELU in fp32, fused norm + rotary), `v3` (the q/k
 RMSNorm's row reduction), `kv` (the KV scatter in bf16 vs as 32-bit words), `upload_ab` (the engine end to end with patch bytes through managed memory vs a file
-in shared memory), `fused` (engine/cuda_fused.py's kernel vs the portable form; the KV scatter as 32-bit words). Prints ms per call (medians of 5) and writes gpu_probe_ops.json.
+in shared memory), `fused` (engine/cuda_fused.py's kernel vs the portable form; the KV scatter as 32-bit words), `tower_batch`
+(a step's 8 clips through the vision tower one by one vs in groups of 2, 4 and 8 in one planned forward). Prints ms per call (medians of 5) and writes gpu_probe_ops.json.
 
     python3 scripts/gpu_probe_ops.py --out DIR [--sections ...] [--small]
 """
@@ -458,6 +459,60 @@ def main() -> None:
                     rows[f"fused.{tag}.kv_{label}_u32_equal_error"] = f"{type(exc).__name__}: {exc}"[:200]
                 del state
             del qkv
+
+    # --- tower_batch: a step's clips through the vision tower one by one (each started with async_eval, as the
+    # classifier runs them) vs concatenated into one planned forward over all their grids
+    if "tower_batch" in args.sections:
+        import tempfile as _tf
+
+        from batchjob.engine.patchify import device_pixels
+        from batchjob.engine.qwen3_vision import encode_qwen3
+        from batchjob.engine.qwen25_vision import encode_qwen25
+        from batchjob.synthetic.random_engine import SHAPES
+        from benchlib.workload import build_model, make_workload
+
+        for model_type in ("qwen2_5_vl", "qwen3_vl"):
+            dims = dict(SHAPES[model_type][1 if args.small else 0])
+            engine = dict(device="auto" if args.small else "gpu", max_model_len=8192)
+            bench = build_model(model_type, dims, 1, dims["v_depth"], 16, (448, 448), Path(_tf.mkdtemp()),
+                                "float32" if args.small else "bfloat16", engine)
+            ckpt = bench.checkpoint
+            tower, dtype = ckpt.model.vision_tower, ckpt.dtype
+            work = make_workload(bench, rng, 8, 1, 16, (448, 448), "tb")
+            clips = [r.clip.inputs for r in work]
+
+            def singles():
+                out = []
+                for inputs in clips:
+                    out.append(ckpt.encode_clip(inputs))
+                    mx.async_eval(out[-1])
+                return out
+
+            def batched(count):
+                def run():
+                    outs = []
+                    for start in range(0, len(clips), count):
+                        group = clips[start:start + count]
+                        pixels = mx.concatenate([device_pixels(c) for c in group]).astype(dtype)
+                        grids = [tuple(c.grid_thw) for c in group]
+                        if model_type == "qwen3_vl":
+                            features, deep = encode_qwen3(tower, pixels, grids)
+                            outs.append(mx.concatenate([features, *deep], axis=-1))
+                        else:
+                            outs.append(encode_qwen25(tower, pixels, grids))
+                        mx.async_eval(outs[-1])
+                    return outs
+                return run
+
+            t(f"tower_batch.{model_type}.singles_8", singles, inner=2)
+            for count in (2, 4, 8):
+                t(f"tower_batch.{model_type}.batched_{count}x{8 // count}", batched(count), inner=2)
+            one = mx.concatenate(singles(), axis=0)
+            together = mx.concatenate(batched(8)(), axis=0)
+            rows[f"tower_batch.{model_type}.max_abs_diff"] = float(mx.max(mx.abs(
+                one.astype(mx.float32) - together.astype(mx.float32))).item())
+            rows[f"tower_batch.{model_type}.max_abs"] = float(mx.max(mx.abs(one.astype(mx.float32))).item())
+            del bench, ckpt, tower, work, clips
 
     env = {"device": str(mx.default_device()), "mlx": mx.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
