@@ -21,7 +21,7 @@ SMALL = {"packed_prefill": ([21] * 4, [0] * 4, 0), "mixed_30000_5000_10": ([300,
 
 
 def attention_cases(dtype, engine_attention, repeats: int, shape: dict, small: bool = False) -> dict:
-    """Rows per case: `sdpa_per_sequence_ms` (the portable path as it was before grouping: one SDPA per
+    """Rows per case (each time the median per call of ten calls queued per sync): `sdpa_per_sequence_ms` (the portable path as it was before grouping: one SDPA per
     sequence, 512-row chunks, K/V gathered from the cache), `engine_attention_ms` (the engine's attention
     function called as a layer calls it, new K/V included, its plan built inside every timed call as in a
     one-layer forward), `engine_attention_planned_ms` (the plan already built, as in layers 2..N),
@@ -51,8 +51,8 @@ def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cache
     scale = d ** -0.5
     row = {"flops": 4 * hq * d * sum(q * c + q * (q + 1) / 2 for q, c in zip(q_lens, cached))}
 
-    def bench(fn):
-        return ms_per_call(fn, inner=1, repeats=repeats)
+    def bench(fn):   # ten calls queued per sync, as a forward's layers queue them (a sync per call timed the
+        return ms_per_call(fn, inner=10, repeats=repeats)   # launch-and-wait round trip of sub-ms calls instead)
 
     row["sdpa_per_sequence_ms"] = bench(lambda: paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale,
                                                                 group_rows=1))
