@@ -62,7 +62,7 @@ def emulated_vision_kernel(faults: tuple[str, ...] = ()):
     def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         qkv, cos_half, sin_half = inputs
         args = dict(template)
-        heads, d, dtype = args["H"], args["D"], args["T"]
+        heads, d = args["H"], args["D"]
         tokens = qkv.shape[0]
         assert grid == (tokens * heads * d, 1, 1) and output_shapes == [(tokens, 2, heads, d)]
         assert cos_half.dtype == mx.float32 and cos_half.shape == (tokens, d // 2)
