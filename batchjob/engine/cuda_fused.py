@@ -5,14 +5,14 @@ activations. In MLX the q/k norm is a row reduction over 128-wide rows (slow on 
 to the input's dtype, then a rotary kernel: three passes over q and k. The kernel gives one warp a head row:
 the sum of squares by shuffles, the rotary partner half from the lane 16 away, one read and one write.
 The vision towers' rotary embedding is the second kernel: MLX's compiled form reads q and k of the stacked
-projection through broadcast tables and a reversed view with general strided indexing, several times slower
-than their bytes; the kernel gives a thread one pair (x[i], x[i + D/2]) of a head of q or k and reads the
-tables' halves once. (SwiGLU was tried the same way and measured: MLX's compiled form already runs at memory
+projection through broadcast tables and a reversed view with general strided indexing, slower than their bytes;
+the kernel reads the tables' halves once, and a thread takes four pairs (x[i], x[i + D/2]) of a head of q or k
+as 8-byte words. (SwiGLU was tried the same way and measured: MLX's compiled form already runs at memory
 bandwidth there.)
 
 The kernels round where MLX's path rounds (the norm's output to the input's dtype before the weight, the weight
-product, each rotary product and their sum), so it agrees with it except where a float sum of squares taken in
-another order moves a rounding: a unit in the last place of a typical element. The engine builds it once at
+product, each rotary product and their sum), so they agree with it except where a float sum taken in another
+order moves a rounding: a unit in the last place of a typical element. The engine builds them once at
 start on CUDA in half precision and compares them with the portable forms on random inputs
 (`select_fused_kernels`); a kernel that fails to build or to match is not used, and the reason is in the run's
 summary. Elsewhere (CPU, Metal, float32) nothing is built and the portable forms run.
@@ -81,24 +81,39 @@ _QK_NORM_ROPE = r"""
 
 _VISION_ROPE = r"""
     constexpr int HALF = D / 2;
+    constexpr int GROUPS = HALF / 4;   // a thread takes four consecutive pairs: 8-byte loads of q/k, 16 of tables
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long tokens = qkv_shape[0];
-    if (idx >= tokens * 2 * H * HALF) return;
-    const int i = (int)(idx % HALF);
-    long long rest = idx / HALF;
+    if (idx >= tokens * 2 * H * GROUPS) return;
+    const int i = (int)(idx % GROUPS) * 4;
+    long long rest = idx / GROUPS;
     const int h = (int)(rest % H);
     rest /= H;
     const int which = (int)(rest % 2);   // 0: q, 1: k
     const long long n = rest / 2;
     const T* x = qkv + n * (3 * H * D) + (which * H + h) * D;
-    const float x1 = static_cast<float>(x[i]);
-    const float x2 = static_cast<float>(x[i + HALF]);
-    const float c = cos_half[n * HALF + i];
-    const float s = sin_half[n * HALF + i];
+    const uint2 w1 = *reinterpret_cast<const uint2*>(x + i);
+    const uint2 w2 = *reinterpret_cast<const uint2*>(x + i + HALF);
+    const float4 c = *reinterpret_cast<const float4*>(cos_half + n * HALF + i);
+    const float4 s = *reinterpret_cast<const float4*>(sin_half + n * HALF + i);
+    const T* a = reinterpret_cast<const T*>(&w1);
+    const T* b = reinterpret_cast<const T*>(&w2);
+    const float cs[4] = {c.x, c.y, c.z, c.w};
+    const float ss[4] = {s.x, s.y, s.z, s.w};
+    uint2 o1, o2;
+    T* p1 = reinterpret_cast<T*>(&o1);
+    T* p2 = reinterpret_cast<T*>(&o2);
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        // x * cos + rotate_half(x) * sin with fp32 tables, each product and the sum rounded once in fp32
+        const float x1 = static_cast<float>(a[j]);
+        const float x2 = static_cast<float>(b[j]);
+        p1[j] = static_cast<T>(__fadd_rn(__fmul_rn(x1, cs[j]), -__fmul_rn(x2, ss[j])));
+        p2[j] = static_cast<T>(__fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, ss[j])));
+    }
     T* o = out + ((n * 2 + which) * H + h) * D;
-    // x * cos + rotate_half(x) * sin with fp32 tables, each product and the sum rounded once in fp32
-    o[i] = static_cast<T>(__fadd_rn(__fmul_rn(x1, c), -__fmul_rn(x2, s)));
-    o[i + HALF] = static_cast<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+    *reinterpret_cast<uint2*>(o + i) = o1;
+    *reinterpret_cast<uint2*>(o + i + HALF) = o2;
 """
 
 
@@ -118,9 +133,9 @@ def qk_norm_rope_suits(qkv: mx.array, head_dim: int) -> bool:
     return qkv.dtype in HALF_DTYPES and head_dim % 64 == 0 and head_dim <= 256
 
 
-def vision_rope_suits(qkv: mx.array) -> bool:
-    """Half precision (any head size: a thread takes one rotary pair)."""
-    return qkv.dtype in HALF_DTYPES
+def vision_rope_suits(qkv: mx.array, head_dim: int) -> bool:
+    """Half precision, and a rotary half of whole groups of four (8-byte words): head sizes 72, 80, 128 do."""
+    return qkv.dtype in HALF_DTYPES and head_dim % 8 == 0
 
 
 @dataclass(frozen=True)
@@ -164,7 +179,7 @@ def vision_rope_with(kernel) -> Callable[..., mx.array]:
     def vision_rope(qkv: mx.array, heads: int, head_dim: int, cos_half: mx.array, sin_half: mx.array) -> mx.array:
         tokens = qkv.shape[0]
         (out,) = kernel(inputs=[qkv, cos_half, sin_half], template=[("T", qkv.dtype), ("H", heads), ("D", head_dim)],
-                        grid=(tokens * heads * head_dim, 1, 1), threadgroup=(THREADS, 1, 1),
+                        grid=(tokens * heads * head_dim // 4, 1, 1), threadgroup=(THREADS, 1, 1),
                         output_shapes=[(tokens, 2, heads, head_dim)], output_dtypes=[qkv.dtype])
         return out
 

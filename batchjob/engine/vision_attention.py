@@ -97,7 +97,7 @@ def rotated_qkv(qkv: mx.array, heads: int, head_dim: int, rope: RopeTables) -> t
     `[tokens, heads, head_dim]` (views of one rotated array and of the projection)."""
     tokens = qkv.shape[0]
     kernel = active_fused_kernels().vision_rope
-    if kernel is not None and rope.halves is not None and vision_rope_suits(qkv):   # one CUDA kernel
+    if kernel is not None and rope.halves is not None and vision_rope_suits(qkv, head_dim):   # one CUDA kernel
         qk = kernel(qkv, heads, head_dim, *rope.halves)
     elif rope.pairs is not None:
         qk = rope_pairs(qkv.reshape(tokens, 3, heads, 2, head_dim // 2)[:, :2], rope.pairs)

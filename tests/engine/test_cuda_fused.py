@@ -64,7 +64,7 @@ def emulated_vision_kernel(faults: tuple[str, ...] = ()):
         args = dict(template)
         heads, d = args["H"], args["D"]
         tokens = qkv.shape[0]
-        assert grid == (tokens * heads * d, 1, 1) and output_shapes == [(tokens, 2, heads, d)]
+        assert grid == (tokens * heads * d // 4, 1, 1) and output_shapes == [(tokens, 2, heads, d)]
         assert cos_half.dtype == mx.float32 and cos_half.shape == (tokens, d // 2)
         x = _f32(qkv).reshape(tokens, 3, heads, d)[:, :2]
         x1, x2 = x[..., :d // 2], x[..., d // 2:]
@@ -85,7 +85,8 @@ def test_the_vision_kernels_statement_matches_the_portable_form_and_planted_faul
     for fault in ("halves_swapped", "q_for_k"):
         problem = check_vision_rope(vision_rope_with(emulated_vision_kernel((fault,))), dtype)
         assert problem is not None and "units in the last place" in problem, fault
-    assert vision_rope_suits(mx.zeros((2, 3), dtype=dtype)) and not vision_rope_suits(mx.zeros((2, 3)))
+    assert vision_rope_suits(mx.zeros((2, 3), dtype=dtype), 72) and not vision_rope_suits(mx.zeros((2, 3)), 80)
+    assert not vision_rope_suits(mx.zeros((2, 3), dtype=dtype), 36)
 
 
 def test_vision_rope_on_fresh_shapes(rng):
@@ -200,7 +201,7 @@ def test_the_towers_send_q_and_k_through_the_active_kernel(name, tiny_classifier
         return wrapped(qkv, *args)
 
     monkeypatch.setattr(cuda_fused, "_ACTIVE", FusedKernels(vision_rope=counting, reason="test"))
-    monkeypatch.setattr(vision_attention, "vision_rope_suits", lambda qkv: True)   # the tests run in float32
+    monkeypatch.setattr(vision_attention, "vision_rope_suits", lambda qkv, d: True)   # the tests run in float32
     got = clf.checkpoint.encode_clip(inputs)
     assert len(calls) == len(clf.checkpoint.model.vision_tower.blocks)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-5)
