@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the model's recipe)")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
+    parser.add_argument("--burst-frames", type=int, nargs=2, default=None,
+                        help="lengths (frames) of the clips laid out as pyav_burst lays them out (default: the recipe's)")
     parser.add_argument("--init-from", type=Path, default=None,
                         help="start from this trained checkpoint's weights (same recipe) instead of random ones")
     parser.add_argument("--short", action="store_true", help="a few steps (CI): checks that the loss falls")
@@ -51,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         from dataclasses import replace
 
         recipe = replace(recipe, lr=args.lr)
+    if args.burst_frames:
+        from dataclasses import replace
+
+        recipe = replace(recipe, burst_frames=tuple(args.burst_frames))
     out = args.out or packaged_model_dir(args.model_type)
     steps = args.steps or (8 if args.short else recipe.steps)
     eval_clips = args.eval_clips if args.eval_clips is not None else (0 if args.short else 1200)
@@ -116,7 +122,7 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
 
     curve, before, running = [], fixed_loss(), []
     stream = batch_stream(tmp, recipe.engine_config, seed, recipe.clips_per_step, recipe.num_frames, steps,
-                          recipe.one_question, recipe.kind_weights, motion, recipe.burst_share)
+                          recipe.one_question, recipe.kind_weights, motion, recipe.burst_share, recipe.burst_frames)
     for step, batch in enumerate(stream, 1):
         if batch.grids != grids:
             raise RuntimeError(f"batch grids {batch.grids} differ from {grids}: the compiled step assumes one")
@@ -137,7 +143,7 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
               "clips_per_step": recipe.clips_per_step, "num_frames": recipe.num_frames,
               "engine": {"max_pixels": recipe.engine_config.max_pixels, "dtype": recipe.engine_config.dtype},
               "kind_weights": recipe.kind_weights, "lr": recipe.lr, "motion": motion,
-              "burst_share": recipe.burst_share,
+              "burst_share": recipe.burst_share, "burst_frames": list(recipe.burst_frames),
               "init_from": None if init_from is None else checkpoint_sha256(Path(init_from)).get("model.safetensors"),
               "mlx": mx.__version__, "threads": os.environ.get("OMP_NUM_THREADS"), "openblas": _openblas_loaded(),
               "fixed_batch_loss": [round(before, 5), round(after, 5)], "curve": curve}
@@ -151,7 +157,8 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
         print("accuracy on fresh clips (uniform frames):", json.dumps(record["accuracy"]))
         if recipe.burst_share:       # the same count of fresh clips, every one laid out as pyav_burst lays it out
             batches = [sample_batch(prep, eval_rng, recipe.clips_per_step, recipe.num_frames, one_question=False,
-                                    motion=motion, burst_share=1.0) for _ in range(len(batches))]
+                                    motion=motion, burst_share=1.0, burst_frames=recipe.burst_frames)
+                       for _ in range(len(batches))]
             record["accuracy_bursts"] = accuracy_by_kind(model, prep, batches)
             print("accuracy on fresh clips (pyav_burst layouts):", json.dumps(record["accuracy_bursts"]))
         record["eval_seconds"] = round(time.perf_counter() - start - trained, 1)

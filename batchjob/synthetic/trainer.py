@@ -192,9 +192,9 @@ B_FRAMES = 2              # the encoders' B-frames between references (scene_gop
 
 
 def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None = None, motion: str | None = None,
-                bursts: bool = False):
+                bursts: bool = False, burst_frames: tuple[int, int] = BURST_FRAMES):
     """A fresh scene and its frames as a uniform loader returns them (`bursts`: as `pyav_burst` returns them,
-    `burst_layout`): (scene, frames, metadata); `motion` is the scenes' (`scenes.MOTIONS`, default
+    `burst_layout`, on a clip of `burst_frames` frames, log-uniform): (scene, frames, metadata); `motion` is the scenes' (`scenes.MOTIONS`, default
     `scenes.MOTION`)."""
     from batchjob.loaders.media import ClipFacts
     from batchjob.loaders.picks import uniform_targets
@@ -203,7 +203,7 @@ def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None
     width, height = CLIP_SIZE
     scene = random_scene(rng, width / height, order=order, motion=motion)
     if bursts:
-        total = int(round(np.exp(rng.uniform(*np.log(BURST_FRAMES)))))
+        total = int(round(np.exp(rng.uniform(*np.log(burst_frames)))))
         fps = total / rng.uniform(*SECONDS)
         indices = burst_layout(rng, total, num_frames)
     else:
@@ -218,7 +218,7 @@ def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None
 def burst_layout(rng: np.random.Generator, total: int, num_frames: int) -> list[int]:
     """Frame indices `pyav_burst` picks from a clip of `total` frames with fewer keyframes than `num_frames`, evenly
     spaced (fixed GOP): the pictures decoded right after each keyframe (its default; with 0 or `B_FRAMES`
-    B-frames, all or at most 2 of them per keyframe) or frames 1-8 apart (`burst_step`). The loaders' own picks
+    B-frames, all or at most 2 of them per keyframe, `burst_pairs` or not) or frames 1-8 apart (`burst_step`). The loaders' own picks
     (`picks.py`), so training sees exactly what they return."""
     from batchjob.loaders.picks import burst_targets, decode_order_bursts
 
@@ -228,7 +228,7 @@ def burst_layout(rng: np.random.Generator, total: int, num_frames: int) -> list[
     bframes = B_FRAMES if rng.random() < 0.75 else 0
     most = 2 if rng.random() < 0.5 else None
     return decode_order_bursts(keyframes, keyframes, closed_gop_decode_order(keyframes, total, bframes), num_frames,
-                               most)
+                               most, paired=bool(rng.random() < 0.5))
 
 
 def closed_gop_decode_order(keyframes: list[int], total: int, bframes: int) -> list[int]:
@@ -247,7 +247,8 @@ def closed_gop_decode_order(keyframes: list[int], total: int, bframes: int) -> l
 
 def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_frames: int,
                  one_question: bool = True, kind_weights: dict[str, float] | None = None,
-                 motion: str | None = None, burst_share: float = 0.0) -> Batch:
+                 motion: str | None = None, burst_share: float = 0.0,
+                 burst_frames: tuple[int, int] = BURST_FRAMES) -> Batch:
     """`clips` fresh clips and questions about them: with `one_question`, one question per clip, the kinds in
     turn (each kind equally often; a clip asked the order question has two or more movers); otherwise every
     question each clip supports (every other clip with two or more movers). The prompt, not the video, is
@@ -261,7 +262,7 @@ def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_fra
         kind = KINDS[c % len(KINDS)]
         bursts = burst_share >= 1 or (burst_share > 0 and rng.random() < burst_share)
         scene, frames, metadata = sample_clip(rng, num_frames, order=kind == "order" if one_question else bool(c % 2),
-                                              motion=motion, bursts=bursts)
+                                              motion=motion, bursts=bursts, burst_frames=burst_frames)
         inputs.append(prep.clip_inputs(frames, metadata))
         questions = questions_for(scene)
         if one_question:
@@ -275,11 +276,13 @@ def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_fra
 
 
 def _produce(queue, checkpoint: str, config: EngineConfig, seed: int, clips: int, num_frames: int, count: int,
-             one_question: bool, kind_weights: dict[str, float] | None, motion: str | None, burst_share: float):
+             one_question: bool, kind_weights: dict[str, float] | None, motion: str | None, burst_share: float,
+             burst_frames: tuple[int, int]):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     prep, rng, parent = EnginePrep(checkpoint, config), np.random.default_rng(seed), os.getppid()
     for _ in range(count):
-        batch = sample_batch(prep, rng, clips, num_frames, one_question, kind_weights, motion, burst_share)
+        batch = sample_batch(prep, rng, clips, num_frames, one_question, kind_weights, motion, burst_share,
+                             burst_frames)
         while True:
             try:
                 queue.put(batch, timeout=5)
@@ -291,14 +294,15 @@ def _produce(queue, checkpoint: str, config: EngineConfig, seed: int, clips: int
 
 def batch_stream(checkpoint: str | Path, config: EngineConfig, seed: int, clips: int, num_frames: int,
                  count: int, one_question: bool = True, kind_weights: dict[str, float] | None = None,
-                 motion: str | None = None, burst_share: float = 0.0) -> Iterator[Batch]:
+                 motion: str | None = None, burst_share: float = 0.0,
+                 burst_frames: tuple[int, int] = BURST_FRAMES) -> Iterator[Batch]:
     """`count` batches from `np.random.default_rng(seed)`, made by one worker process while the caller trains
     (the same batches, in the same order, as `sample_batch` calls in a loop)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue(maxsize=4)
     worker = ctx.Process(target=_produce, daemon=True, args=(queue, str(checkpoint), config, seed, clips, num_frames,
                                                              count, one_question, kind_weights, motion,
-                                                             burst_share))
+                                                             burst_share, burst_frames))
     worker.start()
     try:
         for _ in range(count):
