@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the model's recipe)")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
+    parser.add_argument("--burst-share", type=float, default=None,
+                        help="share of clips laid out as pyav_burst lays them out (default: the recipe's)")
     parser.add_argument("--burst-frames", type=int, nargs=2, default=None,
                         help="lengths (frames) of the clips laid out as pyav_burst lays them out (default: the recipe's)")
     parser.add_argument("--init-from", type=Path, default=None,
@@ -49,14 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.short and args.out is None:
         parser.error("--short trains a throwaway model: give --out DIR (the packaged model stays as it is)")
     recipe = RECIPES[args.model_type]
-    if args.lr:
-        from dataclasses import replace
-
-        recipe = replace(recipe, lr=args.lr)
-    if args.burst_frames:
-        from dataclasses import replace
-
-        recipe = replace(recipe, burst_frames=tuple(args.burst_frames))
+    if args.burst_share is not None and not 0 <= args.burst_share <= 1:
+        parser.error(f"--burst-share {args.burst_share}: give a share between 0 and 1")
+    recipe = replace(recipe, **{k: v for k, v in (("lr", args.lr), ("burst_share", args.burst_share),
+                                                 ("burst_frames", args.burst_frames and tuple(args.burst_frames)))
+                                if v is not None})
     out = args.out or packaged_model_dir(args.model_type)
     steps = args.steps or (8 if args.short else recipe.steps)
     eval_clips = args.eval_clips if args.eval_clips is not None else (0 if args.short else 1200)

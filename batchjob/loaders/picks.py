@@ -126,7 +126,7 @@ def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: in
 
 
 def decode_order_bursts(keyframe_indices: list[int], keyframe_positions: list[int], decode_order: list[int],
-                        num_frames: int, most: int | None = None, paired: bool = False) -> list[int]:
+                        num_frames: int, most: int | None = None) -> list[int]:
     """The keyframe picks, with the repeats of a keyframe replaced by the pictures decoded right after it.
 
     `decode_order[j]` is the presentation index of the j-th picture in decode order, `keyframe_positions[i]`
@@ -136,9 +136,7 @@ def decode_order_bursts(keyframe_indices: list[int], keyframe_positions: list[in
     any `m` distinct frames of that GOP cost: with two B-frames the first picture decoded after a keyframe is
     the one shown three frames later, reached with two decodes where the frame two after it takes four.
     `most` caps the pictures per keyframe (the last one repeats): the cost stays `most` per keyframe on clips
-    with few keyframes, where each keyframe's burst would otherwise grow toward `num_frames`. `paired`: the
-    keyframes are picked for `ceil(num_frames / 2)` slots, each shown twice, so every temporal patch (two frames)
-    starts at a keyframe or inside its burst, never across two GOPs.
+    with few keyframes, where each keyframe's burst would otherwise grow toward `num_frames`.
     """
     if most is not None and (isinstance(most, bool) or not isinstance(most, (int, np.integer)) or most < 1):
         raise ValueError(f"most must be a positive integer (pictures per keyframe) or None, got {most!r}")
@@ -149,10 +147,7 @@ def decode_order_bursts(keyframe_indices: list[int], keyframe_positions: list[in
                          f"{num_frames} asked")
     if num_frames >= total:
         return list(range(total))  # every frame once, as the uniform loaders return it
-    if paired:
-        picks = [p for p in keyframe_picks(len(keyframe_indices), (num_frames + 1) // 2) for _ in (0, 1)][:num_frames]
-    else:
-        picks = keyframe_picks(len(keyframe_indices), num_frames)
+    picks = keyframe_picks(len(keyframe_indices), num_frames)
     out = []
     for p in sorted(set(picks)):
         m = picks.count(p)

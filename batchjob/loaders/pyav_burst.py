@@ -43,8 +43,7 @@ DEFAULT_BURST_STEP = DECODE_ORDER
 
 
 def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_recovery: bool = False,
-               burst_step: int = DEFAULT_BURST_STEP, burst_pictures: int = 0, burst_pairs: bool = False,
-               use_index: bool = True,
+               burst_step: int = DEFAULT_BURST_STEP, burst_pictures: int = 0, use_index: bool = True,
                **_ignored) -> tuple[np.ndarray, dict]:
     label = describe(source)
     request = FrameRequest.parse(label, NAME, num_frames, fps, frame_recovery)
@@ -56,11 +55,9 @@ def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_r
         raise InvalidArgument(label, f"burst_pictures must be 0 (as many as the keyframe's repeats) or a positive "
                                      f"integer (pictures decoded per keyframe, the keyframe included), "
                                      f"got {burst_pictures!r}")
-    if not isinstance(burst_pairs, bool):
-        raise InvalidArgument(label, f"burst_pairs must be true or false, got {burst_pairs!r}")
-    if (burst_pictures or burst_pairs) and burst_step != DECODE_ORDER:
-        raise InvalidArgument(label, "burst_pictures and burst_pairs shape the pictures decoded right after each "
-                                     "keyframe (burst_step=0); drop them or burst_step")
+    if burst_pictures and burst_step != DECODE_ORDER:
+        raise InvalidArgument(label, "burst_pictures caps the pictures decoded right after each keyframe "
+                                     "(burst_step=0); drop one of burst_pictures and burst_step")
     step, most = int(burst_step), int(burst_pictures) or None
 
     def targets(listing: KeyframeListing, n: int) -> list[int]:
@@ -68,12 +65,11 @@ def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_r
         if step == DECODE_ORDER:
             order = {pts: i for i, pts in enumerate(listing.sorted_pts)}
             return decode_order_bursts(indices, [k.decode_position for k in listing.keyframes],
-                                       [order[pts] for pts in listing.decode_pts], n, most, burst_pairs)
+                                       [order[pts] for pts in listing.decode_pts], n, most)
         return burst_targets(indices, listing.total_num_frames, n, step)
 
     return keyframes_or_exact(source, label, NAME, request, use_index=use_index, mode_key="burst_mode",
-                              fill_mode="bursts", fill_extra={"burst_step": step, "burst_pictures": most or 0,
-                                                                 "burst_pairs": burst_pairs},
+                              fill_mode="bursts", fill_extra={"burst_step": step, "burst_pictures": most or 0},
                               one_thread=True, targets=targets)
 
 
@@ -87,8 +83,6 @@ class PyAVBurstLoader:
                                                "it; 0: the pictures decoded right after the keyframe", minimum=0),
                "burst_pictures": LoaderOption(int, "with burst_step 0: the most pictures decoded per keyframe (the "
                                                    "last one repeats); 0: one per repeat of the keyframe", minimum=0),
-               "burst_pairs": LoaderOption(bool, "with burst_step 0: keyframes picked two by two, so each temporal "
-                                                 "patch pairs a keyframe with a picture of its own burst"),
                "use_index": USE_INDEX_OPTION}
 
     reads_file_objects = True   # URLs arrive as seekable range-reading files (batchjob.loaders.remote)

@@ -218,7 +218,7 @@ def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None
 def burst_layout(rng: np.random.Generator, total: int, num_frames: int) -> list[int]:
     """Frame indices `pyav_burst` picks from a clip of `total` frames with fewer keyframes than `num_frames`, evenly
     spaced (fixed GOP): the pictures decoded right after each keyframe (its default; with 0 or `B_FRAMES`
-    B-frames, all or at most 2 of them per keyframe, `burst_pairs` or not) or frames 1-8 apart (`burst_step`). The loaders' own picks
+    B-frames, all or at most 2 of them per keyframe) or frames 1-8 apart (`burst_step`). The loaders' own picks
     (`picks.py`), so training sees exactly what they return."""
     from batchjob.loaders.picks import burst_targets, decode_order_bursts
 
@@ -228,7 +228,7 @@ def burst_layout(rng: np.random.Generator, total: int, num_frames: int) -> list[
     bframes = B_FRAMES if rng.random() < 0.75 else 0
     most = 2 if rng.random() < 0.5 else None
     return decode_order_bursts(keyframes, keyframes, closed_gop_decode_order(keyframes, total, bframes), num_frames,
-                               most, paired=bool(rng.random() < 0.5))
+                               most)
 
 
 def closed_gop_decode_order(keyframes: list[int], total: int, bframes: int) -> list[int]:

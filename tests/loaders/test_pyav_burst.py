@@ -169,20 +169,16 @@ def decode_order_of(path: str, keyframe_indices: list[int]) -> tuple[list[int], 
 
 
 def reference_decode_plan(keys: list[int], positions: list[int], order: list[int], num_frames: int,
-                          most: int | None = None, paired: bool = False) -> list[int]:
+                          most: int | None = None) -> list[int]:
     """The documented placement, spelled out: per picked keyframe shown m times, among the pictures decoded
     after it and before the next keyframe that are shown inside its GOP, the m - 1 decoded first (at most
-    `most` - 1); in presentation order, a short GOP (or a capped burst) repeating its last frame. `paired`: the
-    keyframes picked for half the slots (rounded up), each slot twice."""
+    `most` - 1); in presentation order, a short GOP (or a capped burst) repeating its last frame."""
     total = len(order)
     if num_frames >= total:
         return list(range(total))
     k = len(keys)
-    slots = (num_frames + 1) // 2 if paired else num_frames
-    picks = ([int(p) for p in np.round(np.linspace(0, k - 1, slots))] if slots <= k else
-             [int(np.floor((i + 0.5) * k / slots)) for i in range(slots)])
-    if paired:
-        picks = [p for p in picks for _ in range(2)][:num_frames]
+    picks = ([int(p) for p in np.round(np.linspace(0, k - 1, num_frames))] if num_frames <= k else
+             [int(np.floor((i + 0.5) * k / num_frames)) for i in range(num_frames)])
     out = []
     for p in sorted(set(picks)):
         m = picks.count(p)
@@ -214,9 +210,8 @@ def test_decode_order_plan_on_random_layouts(rng):
         positions = [order.index(k) for k in keys]
         num_frames = rng.randint(1, min(total, 40))
         most = rng.choice([None, 1, 2, 3, rng.randint(1, 10)])
-        paired = rng.random() < 0.5
-        got = decode_order_bursts(keys, positions, order, num_frames, most, paired)
-        assert got == reference_decode_plan(keys, positions, order, num_frames, most, paired)
+        got = decode_order_bursts(keys, positions, order, num_frames, most)
+        assert got == reference_decode_plan(keys, positions, order, num_frames, most)
         if most is not None and num_frames < total:    # a clip returned whole is every frame, capped or not
             assert len(set(got)) <= most * len(keys)
         assert len(got) == num_frames and got == sorted(got)
@@ -241,11 +236,6 @@ def test_decode_order_plan_examples():
     assert decode_order_bursts([0, 10], [0, 10], order, 8, most=2) == [0, 3, 3, 3, 10, 13, 13, 13]
     assert decode_order_bursts([0, 10], [0, 10], order, 8, most=3) == [0, 1, 3, 3, 10, 11, 13, 13]
     assert decode_order_bursts([0, 10], [0, 10], order, 4, most=1) == [0, 0, 10, 10]
-    # paired: 3 keyframes, 8 frames -> 4 pair slots (keyframes 0, 1, 1, 2: rounded linspace), each shown twice
-    three = order[:10] + [10, 13, 11, 12, 16, 14, 15, 19, 17, 18] + [20, 23, 21, 22, 26, 24, 25, 29, 27, 28]
-    assert decode_order_bursts([0, 10, 20], [0, 10, 20], three, 8) == [0, 1, 3, 10, 13, 20, 21, 23]
-    assert decode_order_bursts([0, 10, 20], [0, 10, 20], three, 8, paired=True) == [0, 3, 10, 11, 12, 13, 20, 23]
-    assert decode_order_bursts([0, 10, 20], [0, 10, 20], three, 8, 2, True) == [0, 3, 10, 13, 13, 13, 20, 23]
 
 
 @pytest.mark.parametrize("most", [0, -1, 1.5, True])
@@ -315,9 +305,7 @@ def test_burst_pictures_caps_the_pictures_decoded(tmp_path, rng, expect):
 
 
 @pytest.mark.parametrize("kwargs,match", [({"burst_pictures": -1}, "burst_pictures must be"),
-                                          ({"burst_pictures": 2, "burst_step": 3}, "drop them"),
-                                          ({"burst_pairs": True, "burst_step": 2}, "drop them"),
-                                          ({"burst_pairs": 1}, "burst_pairs must be")])
+                                          ({"burst_pictures": 2, "burst_step": 3}, "drop one of")])
 def test_bad_burst_pictures_is_refused_clearly(clips, kwargs, match):
     path, _ = clips("h264_long_gop")
     with pytest.raises(InvalidArgument, match=match) as info:
