@@ -31,7 +31,7 @@ class Recipe:
     num_frames: int = 8
     motion: str = "wrap"            # how the scenes' movers move (`batchjob.synthetic.scenes.MOTIONS`)
     burst_share: float = 0.0        # clips laid out as pyav_burst returns them (`trainer.burst_layout`), else uniform
-    burst_frames: tuple[int, int] = (24, 360)   # those clips' length in frames (log-uniform)
+    burst_frames: tuple[int, int] = (24, 360)   # those clips' length in frames, log-uniform (trainer.BURST_FRAMES)
     steps: int = 3000
     clips_per_step: int = 6         # every question each clip supports (3 or 4)
     one_question: bool = False

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-share", type=float, default=None,
                         help="share of clips laid out as pyav_burst lays them out (default: the recipe's)")
     parser.add_argument("--burst-frames", type=int, nargs=2, default=None,
-                        help="lengths (frames) of the clips laid out as pyav_burst lays them out (default: the recipe's)")
+                        help="lengths (frames) of the clips laid out as pyav_burst lays them out "
+                             "(default: the recipe's)")
     parser.add_argument("--init-from", type=Path, default=None,
                         help="start from this trained checkpoint's weights (same recipe) instead of random ones")
     parser.add_argument("--short", action="store_true", help="a few steps (CI): checks that the loss falls")

@@ -194,8 +194,8 @@ B_FRAMES = 2              # the encoders' B-frames between references (scene_gop
 def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None = None, motion: str | None = None,
                 bursts: bool = False, burst_frames: tuple[int, int] = BURST_FRAMES):
     """A fresh scene and its frames as a uniform loader returns them (`bursts`: as `pyav_burst` returns them,
-    `burst_layout`, on a clip of `burst_frames` frames, log-uniform): (scene, frames, metadata); `motion` is the scenes' (`scenes.MOTIONS`, default
-    `scenes.MOTION`)."""
+    `burst_layout`, from a clip of `burst_frames` frames, log-uniform): (scene, frames, metadata); `motion` is
+    the scenes' (`scenes.MOTIONS`, default `scenes.MOTION`)."""
     from batchjob.loaders.media import ClipFacts
     from batchjob.loaders.picks import uniform_targets
     from batchjob.synthetic.scenes import background, random_scene, render
