@@ -30,6 +30,8 @@ class Recipe:
     max_pixels: int                 # per frame (Qwen2.5-VL) or per clip (Qwen3-VL), as the family reads it
     num_frames: int = 8
     motion: str = "wrap"            # how the scenes' movers move (`batchjob.synthetic.scenes.MOTIONS`)
+    burst_share: float = 0.0        # clips laid out as pyav_burst returns them (`trainer.burst_layout`), else uniform
+    burst_frames: tuple[int, int] = (24, 360)   # those clips' length in frames, log-uniform (trainer.BURST_FRAMES)
     steps: int = 3000
     clips_per_step: int = 6         # every question each clip supports (3 or 4)
     one_question: bool = False
@@ -76,6 +78,9 @@ RECIPES = {
     # On "wrap" scenes (direction from motion alone) 3000 steps left direction at 0.72 with colour, count and order
     # at 0.97-0.98; at 6000 steps, direction weighing triple, the loss fell from a plateau near step 3300 and
     # direction reached 0.97.
+    # Half the clips laid out as pyav_burst lays them out (burst_share=0.5) left direction at chance on uniform
+    # frames at step 4850 of 6000 (from scratch), and fine-tuned from this model did not lift direction on 5 s and
+    # 10 s GOPs in the sampler curve (README): trained on uniform frames only.
     "qwen3_vl": Recipe("qwen3_vl", hidden_size=64, num_layers=2, intermediate_size=128, vision_hidden=64,
                        vision_depth=2, max_pixels=12 * 7056, steps=6000, kind_weights={"direction": 3.0},
                        extra={"deepstack_visual_indexes": (0,)}),

@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_type_argument(parser)
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="a checkpoint trained to the model type's recipe (default: the packaged one)")
     parser.add_argument("--scenes", type=int, default=24, help="scenes, each encoded at every GOP length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seconds", type=float, default=12.0)
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from batchjob.engine import ClassifyRequest, Clip
     from batchjob.loaders import load_video
 
-    model = demo_model(args.model_type)
+    model = demo_model(args.model_type, args.checkpoint)
     plan = ScenePlan(width, height, args.seconds, args.fps, tuple(args.gops), args.seed)
     t0 = time.perf_counter()
     records = build_scene_set(args.cache, plan, args.scenes, args.workers, motion=model.motion)

@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -33,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="checkpoint directory (default: the packaged demo model's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the model's recipe)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
+    parser.add_argument("--burst-share", type=float, default=None,
+                        help="share of clips laid out as pyav_burst lays them out (default: the recipe's)")
+    parser.add_argument("--burst-frames", type=int, nargs=2, default=None,
+                        help="lengths (frames) of the clips laid out as pyav_burst lays them out "
+                             "(default: the recipe's)")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="start from this trained checkpoint's weights (same recipe) instead of random ones")
     parser.add_argument("--short", action="store_true", help="a few steps (CI): checks that the loss falls")
     parser.add_argument("--eval-clips", type=int, default=None, help="fresh clips for the final accuracy")
     parser.add_argument("--motion", default=None, choices=MOTIONS,
@@ -44,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.short and args.out is None:
         parser.error("--short trains a throwaway model: give --out DIR (the packaged model stays as it is)")
     recipe = RECIPES[args.model_type]
+    if args.burst_share is not None and not 0 <= args.burst_share <= 1:
+        parser.error(f"--burst-share {args.burst_share}: give a share between 0 and 1")
+    recipe = replace(recipe, **{k: v for k, v in (("lr", args.lr), ("burst_share", args.burst_share),
+                                                 ("burst_frames", args.burst_frames and tuple(args.burst_frames)))
+                                if v is not None})
     out = args.out or packaged_model_dir(args.model_type)
     steps = args.steps or (8 if args.short else recipe.steps)
     eval_clips = args.eval_clips if args.eval_clips is not None else (0 if args.short else 1200)
@@ -52,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         del given[given.index("--out"):given.index("--out") + 2]
     given = [a for a in given if not a.startswith("--out=")]
     record = train(out, recipe, seed=args.seed, steps=steps, eval_clips=eval_clips, short=args.short,
-                   command=" ".join(["scripts/train_demo_model.py", *given]), motion=args.motion or recipe.motion)
+                   command=" ".join(["scripts/train_demo_model.py", *given]), motion=args.motion or recipe.motion,
+                   init_from=args.init_from)
     if args.short:
         first, last = record["fixed_batch_loss"]
         print(f"loss on a fixed batch: {first:.4f} -> {last:.4f}")
@@ -61,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: bool, command: str,
-          motion: str) -> dict:
+          motion: str, init_from: Path | None = None) -> dict:
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -76,6 +91,10 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
     tmp = out.with_name(out.name + ".training")
     shutil.rmtree(tmp, ignore_errors=True)
     write_tiny_checkpoint(tmp, recipe.spec(seed))
+    if init_from is not None:
+        if (Path(init_from) / "config.json").read_text() != (tmp / "config.json").read_text():
+            raise SystemExit(f"--init-from {init_from}: its config.json is not the {recipe.model_type} recipe's")
+        shutil.copyfile(Path(init_from) / "model.safetensors", tmp / "model.safetensors")
     prep = EnginePrep(tmp, recipe.engine_config)
     model = load_for_training(tmp, prep.family)
     mx.random.seed(seed)
@@ -104,7 +123,7 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
 
     curve, before, running = [], fixed_loss(), []
     stream = batch_stream(tmp, recipe.engine_config, seed, recipe.clips_per_step, recipe.num_frames, steps,
-                          recipe.one_question, recipe.kind_weights, motion)
+                          recipe.one_question, recipe.kind_weights, motion, recipe.burst_share, recipe.burst_frames)
     for step, batch in enumerate(stream, 1):
         if batch.grids != grids:
             raise RuntimeError(f"batch grids {batch.grids} differ from {grids}: the compiled step assumes one")
@@ -125,6 +144,8 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
               "clips_per_step": recipe.clips_per_step, "num_frames": recipe.num_frames,
               "engine": {"max_pixels": recipe.engine_config.max_pixels, "dtype": recipe.engine_config.dtype},
               "kind_weights": recipe.kind_weights, "lr": recipe.lr, "motion": motion,
+              "burst_share": recipe.burst_share, "burst_frames": list(recipe.burst_frames),
+              "init_from": None if init_from is None else checkpoint_sha256(Path(init_from)).get("model.safetensors"),
               "mlx": mx.__version__, "threads": os.environ.get("OMP_NUM_THREADS"), "openblas": _openblas_loaded(),
               "fixed_batch_loss": [round(before, 5), round(after, 5)], "curve": curve}
     if eval_clips:       # every question of every clip: 1200 clips put a kind's accuracy within about +-1%
@@ -134,8 +155,14 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
                    for _ in range(max(1, eval_clips // recipe.clips_per_step))]
         record["accuracy"] = accuracy_by_kind(model, prep, batches)
         record["eval_clips"] = len(batches) * recipe.clips_per_step
-        record["eval_seconds"] = round(time.perf_counter() - start - trained, 1)
         print("accuracy on fresh clips (uniform frames):", json.dumps(record["accuracy"]))
+        if recipe.burst_share:       # the same count of fresh clips, every one laid out as pyav_burst lays it out
+            batches = [sample_batch(prep, eval_rng, recipe.clips_per_step, recipe.num_frames, one_question=False,
+                                    motion=motion, burst_share=1.0, burst_frames=recipe.burst_frames)
+                       for _ in range(len(batches))]
+            record["accuracy_bursts"] = accuracy_by_kind(model, prep, batches)
+            print("accuracy on fresh clips (pyav_burst layouts):", json.dumps(record["accuracy_bursts"]))
+        record["eval_seconds"] = round(time.perf_counter() - start - trained, 1)
     save_hub_weights(model, tmp)
     record["training_seconds"] = round(trained, 1)        # set-up and training; the final evaluation aside
     shutil.rmtree(out, ignore_errors=True)       # the old checkpoint goes only once the new one is complete

@@ -126,7 +126,7 @@ def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: in
 
 
 def decode_order_bursts(keyframe_indices: list[int], keyframe_positions: list[int], decode_order: list[int],
-                        num_frames: int) -> list[int]:
+                        num_frames: int, most: int | None = None) -> list[int]:
     """The keyframe picks, with the repeats of a keyframe replaced by the pictures decoded right after it.
 
     `decode_order[j]` is the presentation index of the j-th picture in decode order, `keyframe_positions[i]`
@@ -135,7 +135,11 @@ def decode_order_bursts(keyframe_indices: list[int], keyframe_positions: list[in
     presentation order (a GOP with fewer repeats its last frame). Reaching them costs `m` pictures, the fewest
     any `m` distinct frames of that GOP cost: with two B-frames the first picture decoded after a keyframe is
     the one shown three frames later, reached with two decodes where the frame two after it takes four.
+    `most` caps the pictures per keyframe (the last one repeats): the cost stays `most` per keyframe on clips
+    with few keyframes, where each keyframe's burst would otherwise grow toward `num_frames`.
     """
+    if most is not None and (isinstance(most, bool) or not isinstance(most, (int, np.integer)) or most < 1):
+        raise ValueError(f"most must be a positive integer (pictures per keyframe) or None, got {most!r}")
     total = len(decode_order)
     if not keyframe_indices or len(keyframe_positions) != len(keyframe_indices) or total <= 0 or num_frames <= 0:
         raise ValueError(f"need keyframes (with their decode positions) and frames, got {len(keyframe_indices)} "
@@ -147,12 +151,13 @@ def decode_order_bursts(keyframe_indices: list[int], keyframe_positions: list[in
     out = []
     for p in sorted(set(picks)):
         m = picks.count(p)
+        wanted = m if most is None else min(m, most)
         anchor = keyframe_indices[p]
         end = keyframe_indices[p + 1] if p + 1 < len(keyframe_indices) else total
         stop = keyframe_positions[p + 1] if p + 1 < len(keyframe_positions) else total
         chosen = [anchor]
         for j in range(max(0, keyframe_positions[p]), stop):
-            if len(chosen) == m:
+            if len(chosen) == wanted:
                 break
             if anchor < decode_order[j] < end:   # leading pictures (shown before the keyframe) are not its own
                 chosen.append(decode_order[j])

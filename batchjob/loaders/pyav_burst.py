@@ -43,7 +43,7 @@ DEFAULT_BURST_STEP = DECODE_ORDER
 
 
 def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_recovery: bool = False,
-               burst_step: int = DEFAULT_BURST_STEP, use_index: bool = True,
+               burst_step: int = DEFAULT_BURST_STEP, burst_pictures: int = 0, use_index: bool = True,
                **_ignored) -> tuple[np.ndarray, dict]:
     label = describe(source)
     request = FrameRequest.parse(label, NAME, num_frames, fps, frame_recovery)
@@ -51,18 +51,26 @@ def load_burst(source: Source, num_frames: int = 16, *, fps: float = -1, frame_r
         raise InvalidArgument(label, f"burst_step must be 0 (the pictures decoded right after each keyframe) or a "
                                      f"positive integer (frames between a keyframe and the frames after it), "
                                      f"got {burst_step!r}")
-    step = int(burst_step)
+    if isinstance(burst_pictures, bool) or not isinstance(burst_pictures, (int, np.integer)) or burst_pictures < 0:
+        raise InvalidArgument(label, f"burst_pictures must be 0 (as many as the keyframe's repeats) or a positive "
+                                     f"integer (pictures decoded per keyframe, the keyframe included), "
+                                     f"got {burst_pictures!r}")
+    if burst_pictures and burst_step != DECODE_ORDER:
+        raise InvalidArgument(label, "burst_pictures caps the pictures decoded right after each keyframe "
+                                     "(burst_step=0); drop one of burst_pictures and burst_step")
+    step, most = int(burst_step), int(burst_pictures) or None
 
     def targets(listing: KeyframeListing, n: int) -> list[int]:
         indices = [k.index for k in listing.keyframes]
         if step == DECODE_ORDER:
             order = {pts: i for i, pts in enumerate(listing.sorted_pts)}
             return decode_order_bursts(indices, [k.decode_position for k in listing.keyframes],
-                                       [order[pts] for pts in listing.decode_pts], n)
+                                       [order[pts] for pts in listing.decode_pts], n, most)
         return burst_targets(indices, listing.total_num_frames, n, step)
 
     return keyframes_or_exact(source, label, NAME, request, use_index=use_index, mode_key="burst_mode",
-                              fill_mode="bursts", fill_extra={"burst_step": step}, one_thread=True, targets=targets)
+                              fill_mode="bursts", fill_extra={"burst_step": step, "burst_pictures": most or 0},
+                              one_thread=True, targets=targets)
 
 
 @VIDEO_LOADER_REGISTRY.register(NAME)
@@ -73,6 +81,8 @@ class PyAVBurstLoader:
     options = {"fps": FPS_OPTION,
                "burst_step": LoaderOption(int, "frames between a keyframe and each frame that replaces a repeat of "
                                                "it; 0: the pictures decoded right after the keyframe", minimum=0),
+               "burst_pictures": LoaderOption(int, "with burst_step 0: the most pictures decoded per keyframe (the "
+                                                   "last one repeats); 0: one per repeat of the keyframe", minimum=0),
                "use_index": USE_INDEX_OPTION}
 
     reads_file_objects = True   # URLs arrive as seekable range-reading files (batchjob.loaders.remote)

@@ -184,8 +184,17 @@ CLIP_SIZE = (256, 144)            # width, height: the demo clips' size (the eng
 SECONDS = (2.0, 6.0)
 
 
-def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None = None, motion: str | None = None):
-    """A fresh scene and its frames as a uniform loader returns them: (scene, frames, metadata); `motion` is
+# Clips laid out as `pyav_burst` returns them (`burst_layout`) are drawn this many frames long, told as 2-6 s: the
+# sampler curve's 12 s clips at 24 fps are 288 frames, where a burst's pair of frames a few apart shows a mover
+# a pixel or a few at the model's 128-pixel width.
+BURST_FRAMES = (24, 360)
+B_FRAMES = 2              # the encoders' B-frames between references (scene_gops, make_scene_clip)
+
+
+def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None = None, motion: str | None = None,
+                bursts: bool = False, burst_frames: tuple[int, int] = BURST_FRAMES):
+    """A fresh scene and its frames as a uniform loader returns them (`bursts`: as `pyav_burst` returns them,
+    `burst_layout`, from a clip of `burst_frames` frames, log-uniform): (scene, frames, metadata); `motion` is
     the scenes' (`scenes.MOTIONS`, default `scenes.MOTION`)."""
     from batchjob.loaders.media import ClipFacts
     from batchjob.loaders.picks import uniform_targets
@@ -193,28 +202,67 @@ def sample_clip(rng: np.random.Generator, num_frames: int, *, order: bool | None
 
     width, height = CLIP_SIZE
     scene = random_scene(rng, width / height, order=order, motion=motion)
-    total = int(round(rng.uniform(*SECONDS) * FPS))
-    indices = uniform_targets(total, num_frames)
+    if bursts:
+        total = int(round(np.exp(rng.uniform(*np.log(burst_frames)))))
+        fps = total / rng.uniform(*SECONDS)
+        indices = burst_layout(rng, total, num_frames)
+    else:
+        total, fps = int(round(rng.uniform(*SECONDS) * FPS)), FPS
+        indices = uniform_targets(total, num_frames)
     base = background(scene, width, height)
     frames = np.stack([render(scene, i / total, width, height, int(rng.integers(2**31)), base) for i in indices])
-    metadata = ClipFacts(total, FPS).metadata("synthetic", indices, frames_timestamps=[i / FPS for i in indices])
+    metadata = ClipFacts(total, fps).metadata("synthetic", indices, frames_timestamps=[i / fps for i in indices])
     return scene, frames, metadata
+
+
+def burst_layout(rng: np.random.Generator, total: int, num_frames: int) -> list[int]:
+    """Frame indices `pyav_burst` picks from a clip of `total` frames with fewer keyframes than `num_frames`, evenly
+    spaced (fixed GOP): the pictures decoded right after each keyframe (its default; with 0 or `B_FRAMES`
+    B-frames, all or at most 2 of them per keyframe) or frames 1-8 apart (`burst_step`). The loaders' own picks
+    (`picks.py`), so training sees exactly what they return."""
+    from batchjob.loaders.picks import burst_targets, decode_order_bursts
+
+    keyframes = list(range(0, total, -(-total // int(rng.integers(1, num_frames)))))
+    if rng.random() < 0.5:
+        return burst_targets(keyframes, total, num_frames, int(rng.integers(1, 9)))
+    bframes = B_FRAMES if rng.random() < 0.75 else 0
+    most = 2 if rng.random() < 0.5 else None
+    return decode_order_bursts(keyframes, keyframes, closed_gop_decode_order(keyframes, total, bframes), num_frames,
+                               most)
+
+
+def closed_gop_decode_order(keyframes: list[int], total: int, bframes: int) -> list[int]:
+    """Presentation index of each picture in decode order for closed GOPs starting at `keyframes`, a reference
+    every `bframes + 1` frames (each GOP's last frame a reference), the B-frames before it decoded after it."""
+    order = []
+    for start, end in zip(keyframes, keyframes[1:] + [total]):
+        order.append(start)
+        previous = start
+        while previous < end - 1:
+            reference = min(previous + bframes + 1, end - 1)
+            order += [reference, *range(previous + 1, reference)]
+            previous = reference
+    return order
 
 
 def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_frames: int,
                  one_question: bool = True, kind_weights: dict[str, float] | None = None,
-                 motion: str | None = None) -> Batch:
+                 motion: str | None = None, burst_share: float = 0.0,
+                 burst_frames: tuple[int, int] = BURST_FRAMES) -> Batch:
     """`clips` fresh clips and questions about them: with `one_question`, one question per clip, the kinds in
     turn (each kind equally often; a clip asked the order question has two or more movers); otherwise every
     question each clip supports (every other clip with two or more movers). The prompt, not the video, is
-    most of a step's work: one question per clip sees more clips for the same work."""
+    most of a step's work: one question per clip sees more clips for the same work. A clip's frames are laid
+    out as `pyav_burst` lays them out with probability `burst_share` (`sample_clip`), else uniformly; 1.0:
+    every clip bursts."""
     from batchjob.synthetic.scenes import KINDS, QUESTIONS, questions_for
 
     inputs, examples = [], []
     for c in range(clips):
         kind = KINDS[c % len(KINDS)]
+        bursts = burst_share >= 1 or (burst_share > 0 and rng.random() < burst_share)
         scene, frames, metadata = sample_clip(rng, num_frames, order=kind == "order" if one_question else bool(c % 2),
-                                              motion=motion)
+                                              motion=motion, bursts=bursts, burst_frames=burst_frames)
         inputs.append(prep.clip_inputs(frames, metadata))
         questions = questions_for(scene)
         if one_question:
@@ -228,11 +276,13 @@ def sample_batch(prep: EnginePrep, rng: np.random.Generator, clips: int, num_fra
 
 
 def _produce(queue, checkpoint: str, config: EngineConfig, seed: int, clips: int, num_frames: int, count: int,
-             one_question: bool, kind_weights: dict[str, float] | None, motion: str | None):
+             one_question: bool, kind_weights: dict[str, float] | None, motion: str | None, burst_share: float,
+             burst_frames: tuple[int, int]):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     prep, rng, parent = EnginePrep(checkpoint, config), np.random.default_rng(seed), os.getppid()
     for _ in range(count):
-        batch = sample_batch(prep, rng, clips, num_frames, one_question, kind_weights, motion)
+        batch = sample_batch(prep, rng, clips, num_frames, one_question, kind_weights, motion, burst_share,
+                             burst_frames)
         while True:
             try:
                 queue.put(batch, timeout=5)
@@ -244,13 +294,15 @@ def _produce(queue, checkpoint: str, config: EngineConfig, seed: int, clips: int
 
 def batch_stream(checkpoint: str | Path, config: EngineConfig, seed: int, clips: int, num_frames: int,
                  count: int, one_question: bool = True, kind_weights: dict[str, float] | None = None,
-                 motion: str | None = None) -> Iterator[Batch]:
+                 motion: str | None = None, burst_share: float = 0.0,
+                 burst_frames: tuple[int, int] = BURST_FRAMES) -> Iterator[Batch]:
     """`count` batches from `np.random.default_rng(seed)`, made by one worker process while the caller trains
     (the same batches, in the same order, as `sample_batch` calls in a loop)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue(maxsize=4)
     worker = ctx.Process(target=_produce, daemon=True, args=(queue, str(checkpoint), config, seed, clips, num_frames,
-                                                             count, one_question, kind_weights, motion))
+                                                             count, one_question, kind_weights, motion,
+                                                             burst_share, burst_frames))
     worker.start()
     try:
         for _ in range(count):

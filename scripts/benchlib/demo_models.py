@@ -48,11 +48,16 @@ def add_model_type_argument(parser: argparse.ArgumentParser) -> None:
                         help=f"which trained demo model answers (default: the demo's, {DEFAULT_MODEL_TYPE})")
 
 
-def demo_model(model_type: str) -> DemoModel:
-    """The packaged trained demo model of `model_type` (a ValueError naming the choices otherwise)."""
+def demo_model(model_type: str, checkpoint: Path | None = None) -> DemoModel:
+    """The packaged trained demo model of `model_type` (a ValueError naming the choices otherwise), or one trained
+    to its recipe in `checkpoint` (a candidate, before it is packaged)."""
     from batchjob.demo_model import RECIPES, check_demo_model_type, packaged_model_dir, recorded_motion
 
     path = packaged_model_dir(check_demo_model_type(model_type, trained=True))
+    if checkpoint is not None:
+        if not (Path(checkpoint) / "config.json").is_file():
+            raise ValueError(f"--checkpoint {checkpoint}: no config.json there; give a trained checkpoint directory")
+        path = Path(checkpoint)
     return DemoModel(model_type, path, recorded_motion(path), RECIPES[model_type])
 
 

@@ -168,10 +168,11 @@ def decode_order_of(path: str, keyframe_indices: list[int]) -> tuple[list[int], 
     return order, [order.index(k) for k in keyframe_indices]
 
 
-def reference_decode_plan(keys: list[int], positions: list[int], order: list[int], num_frames: int) -> list[int]:
+def reference_decode_plan(keys: list[int], positions: list[int], order: list[int], num_frames: int,
+                          most: int | None = None) -> list[int]:
     """The documented placement, spelled out: per picked keyframe shown m times, among the pictures decoded
-    after it and before the next keyframe that are shown inside its GOP, the m - 1 decoded first; in
-    presentation order, a short GOP repeating its last frame."""
+    after it and before the next keyframe that are shown inside its GOP, the m - 1 decoded first (at most
+    `most` - 1); in presentation order, a short GOP (or a capped burst) repeating its last frame."""
     total = len(order)
     if num_frames >= total:
         return list(range(total))
@@ -184,7 +185,7 @@ def reference_decode_plan(keys: list[int], positions: list[int], order: list[int
         end = keys[p + 1] if p + 1 < k else total
         stop = positions[p + 1] if p + 1 < k else total
         own = sorted((j, order[j]) for j in range(positions[p], stop) if keys[p] < order[j] < end)
-        got = sorted([keys[p]] + [i for _, i in own[:m - 1]])
+        got = sorted([keys[p]] + [i for _, i in own[:min(m, most or m) - 1]])
         out += got + [got[-1]] * (m - len(got))
     return out
 
@@ -208,8 +209,11 @@ def test_decode_order_plan_on_random_layouts(rng):
                 order += [run[-1]] + run[:-1]
         positions = [order.index(k) for k in keys]
         num_frames = rng.randint(1, min(total, 40))
-        got = decode_order_bursts(keys, positions, order, num_frames)
-        assert got == reference_decode_plan(keys, positions, order, num_frames)
+        most = rng.choice([None, 1, 2, 3, rng.randint(1, 10)])
+        got = decode_order_bursts(keys, positions, order, num_frames, most)
+        assert got == reference_decode_plan(keys, positions, order, num_frames, most)
+        if most is not None and num_frames < total:    # a clip returned whole is every frame, capped or not
+            assert len(set(got)) <= most * len(keys)
         assert len(got) == num_frames and got == sorted(got)
         for p, key in enumerate(keys):
             mine = {i for i in got if key <= i < (keys[p + 1] if p + 1 < len(keys) else total)}
@@ -229,6 +233,15 @@ def test_decode_order_plan_examples():
     assert decode_order_bursts([0, 2], [0, 2], [0, 1, 2, 3, 4], 4) == [0, 1, 2, 3]
     assert decode_order_bursts([0, 1], [0, 1], [0, 1, 2], 2) == [0, 1]       # enough keyframes: one each
     assert decode_order_bursts([0, 1], [0, 1], [0, 1, 2, 3, 4], 4) == [0, 0, 1, 2]   # a 1-frame GOP repeats
+    assert decode_order_bursts([0, 10], [0, 10], order, 8, most=2) == [0, 3, 3, 3, 10, 13, 13, 13]
+    assert decode_order_bursts([0, 10], [0, 10], order, 8, most=3) == [0, 1, 3, 3, 10, 11, 13, 13]
+    assert decode_order_bursts([0, 10], [0, 10], order, 4, most=1) == [0, 0, 10, 10]
+
+
+@pytest.mark.parametrize("most", [0, -1, 1.5, True])
+def test_bad_burst_cap(most):
+    with pytest.raises(ValueError, match="most must be a positive integer"):
+        decode_order_bursts([0], [0], [0, 1, 2], 2, most)
 
 
 @pytest.mark.parametrize("bad", [([], [], [0, 1], 1), ([0], [0, 1], [0, 1], 1), ([0], [0], [], 1), ([0], [0], [0], 0)])
@@ -275,6 +288,29 @@ def test_decode_order_bursts_are_pixel_exact_on_every_codec(clips, rng, name):
     order, positions = decode_order_of(path, ref.keyframe_indices)
     assert meta["frames_indices"] == reference_decode_plan(ref.keyframe_indices, positions, order, num_frames)
     np.testing.assert_array_equal(frames, ref.at(meta["frames_indices"]))
+
+
+def test_burst_pictures_caps_the_pictures_decoded(tmp_path, rng, expect):
+    """burst_pictures=N: at most N pictures per keyframe, the frames a full decode's at the capped plan."""
+    info = make_clip(tmp_path / "c.mp4", seconds=rng.uniform(4, 8), fps=10, gop_seconds=rng.uniform(2.5, 4),
+                     bframes=2, width=64, height=48, seed=rng.randrange(1000))
+    ref = expect.full_decode(info.path)
+    order, positions = decode_order_of(info.path, ref.keyframe_indices)
+    most = rng.randint(1, 3)
+    frames, meta = load_video(info.path, backend="pyav_burst", num_frames=8, burst_pictures=most)
+    assert meta["burst_mode"] == "bursts" and meta["burst_pictures"] == most
+    assert meta["frames_indices"] == reference_decode_plan(ref.keyframe_indices, positions, order, 8, most)
+    assert meta["decoded_frames"] <= most * len(ref.keyframe_indices)
+    np.testing.assert_array_equal(frames, ref.at(meta["frames_indices"]))
+
+
+@pytest.mark.parametrize("kwargs,match", [({"burst_pictures": -1}, "burst_pictures must be"),
+                                          ({"burst_pictures": 2, "burst_step": 3}, "drop one of")])
+def test_bad_burst_pictures_is_refused_clearly(clips, kwargs, match):
+    path, _ = clips("h264_long_gop")
+    with pytest.raises(InvalidArgument, match=match) as info:
+        load_video(path, backend="pyav_burst", **kwargs)
+    assert path in str(info.value)
 
 
 def test_decode_order_reaches_further_for_less(tmp_path):
