@@ -149,6 +149,16 @@ def test_only_cuda_in_half_precision_builds_and_a_failing_build_falls_back():
     assert good.qk_norm_rope is not None and good.summary().startswith("qk_norm_rope, vision_rope (")
 
 
+def _counting(kernel, calls: list):
+    """`kernel`, noting the shape of each call's first input in `calls`."""
+
+    def counted(qkv, *args):
+        calls.append(qkv.shape)
+        return kernel(qkv, *args)
+
+    return counted
+
+
 def test_suits_half_precision_and_heads_the_warp_splits():
     x = mx.zeros((3, 5, 128), dtype=mx.bfloat16)
     assert qk_norm_rope_suits(x, 128) and qk_norm_rope_suits(x.astype(mx.float16), 64)
@@ -168,13 +178,8 @@ def test_the_layer_sends_qwen3s_q_and_k_through_the_active_kernel(tiny_classifie
     request = make_request(rng, "r", clip)
     want = clf.classify([request])[0]
     calls = []
-    wrapped = qk_norm_rope_with(emulated_kernel())
-
-    def counting(qkv, *args):
-        calls.append(qkv.shape)
-        return wrapped(qkv, *args)
-
-    monkeypatch.setattr(cuda_fused, "_ACTIVE", FusedKernels(qk_norm_rope=counting, reason="test"))
+    monkeypatch.setattr(cuda_fused, "_ACTIVE", FusedKernels(
+        qk_norm_rope=_counting(qk_norm_rope_with(emulated_kernel()), calls), reason="test"))
     monkeypatch.setattr(attention, "qk_norm_rope_suits", lambda qkv, d: True)   # the tiny model's head is 32 wide
     got = clf.classify([dataclasses.replace(request, clip=dataclasses.replace(clip, media_id=f"again-{uuid.uuid4().hex}"))])[0]
     layers = len(clf.checkpoint.model.language_model.model.layers)
@@ -194,13 +199,8 @@ def test_the_towers_send_q_and_k_through_the_active_kernel(name, tiny_classifier
     inputs = preprocess_video(clip.frames, clip.metadata, clf.checkpoint.vision)
     want = clf.checkpoint.encode_clip(inputs)
     calls = []
-    wrapped = vision_rope_with(emulated_vision_kernel())
-
-    def counting(qkv, *args):
-        calls.append(qkv.shape)
-        return wrapped(qkv, *args)
-
-    monkeypatch.setattr(cuda_fused, "_ACTIVE", FusedKernels(vision_rope=counting, reason="test"))
+    monkeypatch.setattr(cuda_fused, "_ACTIVE", FusedKernels(
+        vision_rope=_counting(vision_rope_with(emulated_vision_kernel()), calls), reason="test"))
     monkeypatch.setattr(vision_attention, "vision_rope_suits", lambda qkv, d: True)   # the tests run in float32
     got = clf.checkpoint.encode_clip(inputs)
     assert len(calls) == len(clf.checkpoint.model.vision_tower.blocks)
