@@ -1,10 +1,11 @@
-"""Time alternative formulations of the engine's memory-bound steps on the GPU at the 7B/8B shapes, to choose
-what the engine uses. Sections (`--sections`): `upload` (float32 patches vs patch bytes, a second stream),
-`vrope` (rotate-half with a concatenation vs a pair swap; SDPA on strided vs contiguous inputs), `gelu`, `lm`
-(q/k norms, rotary, KV write), `v2` (Qwen3-VL's head_dim 72, GELU in fp32, fused norm + rotary), `v3` (the q/k
-RMSNorm's row reduction), `kv` (the KV scatter in bf16 vs as 32-bit words), `upload_ab` (the engine end to end with patch bytes through managed memory vs a file
-in shared memory), `fused` (engine/cuda_fused.py's kernel vs the portable form; the KV scatter as 32-bit words), `tower_batch`
-(a step's 8 clips through the vision tower one by one vs in groups of 2, 4 and 8 in one planned forward). Prints ms per call (medians of 5) and writes gpu_probe_ops.json.
+"""Time alternative formulations of the engine's memory-bound steps on the GPU at the 7B/8B shapes, to choose what the
+engine uses. Sections (`--sections`): `upload` (float32 patches vs patch bytes, a second stream), `vrope` (rotate-
+half with a concatenation vs a pair swap; SDPA on strided vs contiguous inputs), `gelu`, `lm` (q/k norms, rotary, KV
+write), `v2` (Qwen3-VL's head_dim 72, GELU in fp32, fused norm + rotary), `v3` (the q/k RMSNorm's row reduction),
+`kv` (the KV scatter in bf16 vs as 32-bit words), `upload_ab` (the engine end to end with patch bytes through
+managed memory vs a file in shared memory), `fused` (engine/cuda_fused.py's kernel vs the portable form; the KV
+scatter as 32-bit words), `tower_batch` (a step's 8 clips through the vision tower one by one vs in groups of 2, 4
+and 8 in one planned forward). Prints ms per call (medians of 5) and writes gpu_probe_ops.json.
 
     python3 scripts/gpu_probe_ops.py --out DIR [--sections ...] [--small]
 """

@@ -72,7 +72,8 @@ def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_l
     return plan, auto_tokens
 
 
-CUDA_REASON = "NVIDIA GPU: the portable path on cuDNN's fused SDPA (no custom CUDA attention kernels: docs/cuda_kernels.md)"
+CUDA_REASON = ("NVIDIA GPU: the portable path on cuDNN's fused SDPA (no custom CUDA attention kernels: "
+               "docs/cuda_kernels.md)")
 
 
 def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tuple[str, str, object]:

@@ -271,7 +271,8 @@ def check_vision_rope(vision_rope, dtype: mx.Dtype, seed: int = 0) -> str | None
 
 
 def select_fused_kernels(device: str, dtype: mx.Dtype, *, qk_norms: bool = True,
-                         build_qk_norm_rope=_qk_norm_rope_kernel, build_vision_rope=_vision_rope_kernel) -> FusedKernels:
+                         build_qk_norm_rope=_qk_norm_rope_kernel,
+                         build_vision_rope=_vision_rope_kernel) -> FusedKernels:
     """The kernels to use for `device` ("cpu" | "metal" | "cuda") and the engine's `dtype`: on CUDA in half
     precision, each one that builds and matches the portable form (builders injectable for tests).
     `qk_norms`: whether the model's attention normalises q and k (Qwen3); without them that kernel is not built."""

@@ -21,13 +21,14 @@ SMALL = {"packed_prefill": ([21] * 4, [0] * 4, 0), "mixed_30000_5000_10": ([300,
 
 
 def attention_cases(dtype, engine_attention, repeats: int, shape: dict, small: bool = False) -> dict:
-    """Rows per case (each time the median per call of ten calls queued per sync): `sdpa_per_sequence_ms` (the portable path as it was before grouping: one SDPA per
-    sequence, 512-row chunks, K/V gathered from the cache), `engine_attention_ms` (the engine's attention
-    function called as a layer calls it, new K/V included, its plan built inside every timed call as in a
-    one-layer forward), `engine_attention_planned_ms` (the plan already built, as in layers 2..N),
-    `engine_attention_first_call_ms` (its very first call on these shapes: plan, compilation, cuDNN graph
-    build), `engine_attention_sdpa_calls`, and `sdpa_padded_ms` (one SDPA over the batch padded to its longest
-    query and context, K/V already gathered: what a padded engine pays for attention alone)."""
+    """Rows per case (each time the median per call of ten calls queued per sync): `sdpa_per_sequence_ms` (the portable
+    path as it was before grouping: one SDPA per sequence, 512-row chunks, K/V gathered from the cache),
+    `engine_attention_ms` (the engine's attention function called as a layer calls it, new K/V included, its
+    plan built inside every timed call as in a one-layer forward), `engine_attention_planned_ms` (the plan
+    already built, as in layers 2..N), `engine_attention_first_call_ms` (its very first call on these shapes:
+    plan, compilation, cuDNN graph build), `engine_attention_sdpa_calls`, and `sdpa_padded_ms` (one SDPA over
+    the batch padded to its longest query and context, K/V already gathered: what a padded engine pays for
+    attention alone)."""
     rng = np.random.default_rng(0)
     out = {}
     for name, (q_lens, cached, clips) in (SMALL if small else CASES).items():

@@ -17,8 +17,8 @@ from .syncs import count_host_syncs, layers_marked
 from .timing import ms_per_call
 
 CATEGORIES = {"matmuls": ("qkv_proj", "o_proj", "mlp_gate_up", "mlp_down"), "attention": ("attention",),
-              "norms": ("input_norm", "post_norm", "qk_norm", "qk_norm_rope"), "rotary": ("rope",), "kv_write": ("kv_write",),
-              "elementwise": ("mlp_act", "residual_adds")}
+              "norms": ("input_norm", "post_norm", "qk_norm", "qk_norm_rope"), "rotary": ("rope",),
+              "kv_write": ("kv_write",), "elementwise": ("mlp_act", "residual_adds")}
 
 
 def _one_forward_batch(clf, requests):

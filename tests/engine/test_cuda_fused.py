@@ -181,7 +181,8 @@ def test_the_layer_sends_qwen3s_q_and_k_through_the_active_kernel(tiny_classifie
     monkeypatch.setattr(cuda_fused, "_ACTIVE", FusedKernels(
         qk_norm_rope=_counting(qk_norm_rope_with(emulated_kernel()), calls), reason="test"))
     monkeypatch.setattr(attention, "qk_norm_rope_suits", lambda qkv, d: True)   # the tiny model's head is 32 wide
-    got = clf.classify([dataclasses.replace(request, clip=dataclasses.replace(clip, media_id=f"again-{uuid.uuid4().hex}"))])[0]
+    again = dataclasses.replace(clip, media_id=f"again-{uuid.uuid4().hex}")   # not served from the feature cache
+    got = clf.classify([dataclasses.replace(request, clip=again)])[0]
     layers = len(clf.checkpoint.model.language_model.model.layers)
     assert len(calls) == layers and want.error is None and got.error is None
     np.testing.assert_allclose(got.probs, want.probs, rtol=0, atol=1e-5)
