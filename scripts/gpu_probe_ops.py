@@ -409,17 +409,6 @@ def main() -> None:
         qk_kernel = cuda_fused.qk_norm_rope_with(cuda_fused._qk_norm_rope_kernel())
         vision_kernel = cuda_fused.vision_rope_with(cuda_fused._vision_rope_kernel())
         from batchjob.engine.vision_attention import rope_tables, rotated_qkv
-        norm_kernel = cuda_fused.row_norm_with(cuda_fused._row_norm_kernel())
-        for tag, (n, width, kind) in {"v25": (8192 // div, 1280, nn.RMSNorm), "v3": (6272 // div, 1152, nn.LayerNorm)}.items():
-            x = (mx.random.normal((n, width)) * 2 + 0.5).astype(bf)
-            norm = kind(width, eps=1e-6)
-            norm.update({name: (mx.random.normal(value.shape) * 0.3 + (1 if name == "weight" else 0)).astype(bf)
-                         for name, value in norm.parameters().items()})
-            mx.eval(x, norm.parameters())
-            t(f"fused.{tag}.vision_norm_mlx", lambda: norm(x))
-            t(f"fused.{tag}.vision_norm_kernel", lambda: norm_kernel(norm, x))
-            rows[f"fused.{tag}.vision_norm_ulps"] = cuda_fused._ulps_apart(norm_kernel(norm, x), norm(x), bf)
-            del x
         for tag, (n, heads, d) in {"v25": (8192 // div, 16, 80), "v3": (6272 // div, 16, 80)}.items():
             qkv = (mx.random.normal((n, 3 * heads * d)) * 2).astype(bf)
             freqs = mx.random.uniform(0, 40, (n, d // 2))

@@ -1,5 +1,4 @@
-"""Rotary embeddings (with Qwen3's per-head q/k RMSNorm before them) and the vision blocks' norms as
-hand-written CUDA kernels.
+"""Rotary embeddings (with Qwen3's per-head q/k RMSNorm before them) as hand-written CUDA kernels.
 
 On NVIDIA GPUs the decoder layer's GEMMs run near the measured ceiling; what is left beyond them is passes over
 activations. In MLX the q/k norm is a row reduction over 128-wide rows (slow on its CUDA backend), a rounding
@@ -8,9 +7,7 @@ the sum of squares by shuffles, the rotary partner half from the lane 16 away, o
 The vision towers' rotary embedding is the second kernel: MLX's compiled form reads q and k of the stacked
 projection through broadcast tables and a reversed view with general strided indexing, slower than their bytes;
 the kernel reads the tables' halves once, and a thread takes four pairs (x[i], x[i + D/2]) of a head of q or k
-as 8-byte words. The third is the vision blocks' LayerNorm / RMSNorm over their 1,152-1,280-wide rows, which
-MLX runs with a thread block per row and three passes: a warp per row holds the row in registers as 16-byte
-words. (SwiGLU was tried the same way and measured: MLX's compiled form already runs at memory
+as 8-byte words. (SwiGLU was tried the same way and measured: MLX's compiled form already runs at memory
 bandwidth there.)
 
 The kernels round where MLX's path rounds (the norm's output to the input's dtype before the weight, the weight
@@ -27,7 +24,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from .fused_ops import RotaryTables, rope_heads, rotate_half_rope, split_tables
@@ -121,77 +117,6 @@ _VISION_ROPE = r"""
 """
 
 
-_ROW_NORM = r"""
-    constexpr int WORDS = W / 8;                 // 16-byte words of a row (8 half-precision values)
-    constexpr int PER_LANE = (WORDS + 31) / 32;
-    const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x & 31;
-    if (row >= x_shape[0]) return;   // a warp's lanes share `row`: whole warps leave together
-    const uint4* xr = reinterpret_cast<const uint4*>(x + row * W);
-    float v[PER_LANE * 8];
-    float sum = 0.0f;
-    #pragma unroll
-    for (int k = 0; k < PER_LANE; ++k) {
-        const int word = lane + 32 * k;
-        uint4 raw = make_uint4(0, 0, 0, 0);
-        if (word < WORDS) raw = xr[word];
-        const T* e = reinterpret_cast<const T*>(&raw);
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            v[k * 8 + j] = static_cast<float>(e[j]);
-            sum += v[k * 8 + j];
-        }
-    }
-    float mean = 0.0f;
-    if (LAYER) {
-        #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-        mean = sum / W;
-    }
-    float squares = 0.0f;
-    #pragma unroll
-    for (int k = 0; k < PER_LANE; ++k) {
-        if (lane + 32 * k < WORDS) {
-            #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float t = v[k * 8 + j] - mean;
-                squares += t * t;
-            }
-        }
-    }
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
-    const float normalizer = rsqrtf(squares / W + eps[0]);
-    const uint4* wr = reinterpret_cast<const uint4*>(weight);
-    const uint4* br = reinterpret_cast<const uint4*>(bias);
-    uint4* orow = reinterpret_cast<uint4*>(out + row * W);
-    #pragma unroll
-    for (int k = 0; k < PER_LANE; ++k) {
-        const int word = lane + 32 * k;
-        if (word >= WORDS) continue;
-        const uint4 wraw = wr[word];
-        const uint4 braw = br[word];
-        const T* we = reinterpret_cast<const T*>(&wraw);
-        const T* be = reinterpret_cast<const T*>(&braw);
-        uint4 oraw;
-        T* oe = reinterpret_cast<T*>(&oraw);
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            // as MLX: the normalised value rounded to the dtype, times the weight (rounded), plus the bias (rounded)
-            const float normed = static_cast<float>(static_cast<T>((v[k * 8 + j] - mean) * normalizer));
-            const float scaled = static_cast<float>(static_cast<T>(normed * static_cast<float>(we[j])));
-            oe[j] = LAYER ? static_cast<T>(scaled + static_cast<float>(be[j])) : static_cast<T>(scaled);
-        }
-        orow[word] = oraw;
-    }
-"""
-
-
-def _row_norm_kernel():
-    return mx.fast.cuda_kernel(name="batchjob_row_norm", input_names=["x", "weight", "bias", "eps"],
-                               output_names=["out"], source=_ROW_NORM)
-
-
 def _vision_rope_kernel():
     return mx.fast.cuda_kernel(name="batchjob_vision_rope", input_names=["qkv", "cos_half", "sin_half"],
                                output_names=["out"], source=_VISION_ROPE)
@@ -213,30 +138,16 @@ def vision_rope_suits(qkv: mx.array, head_dim: int) -> bool:
     return qkv.dtype in HALF_DTYPES and head_dim % 8 == 0
 
 
-MAX_NORM_WIDTH = 2048   # eight 16-byte words a lane at most (registers)
-
-
-def norm_suits(norm, x: mx.array) -> bool:
-    """MLX's `nn.LayerNorm` (with weight and bias) or `nn.RMSNorm` over half-precision rows of whole 16-byte words."""
-    width = x.shape[-1]
-    if x.dtype not in HALF_DTYPES or width % 8 or width > MAX_NORM_WIDTH:
-        return False
-    if type(norm) is nn.LayerNorm:
-        return "weight" in norm and "bias" in norm
-    return type(norm) is nn.RMSNorm
-
-
 @dataclass(frozen=True)
 class FusedKernels:
     """The kernels in use (None: the portable form runs) and why, for the run's summary."""
 
     qk_norm_rope: Callable[..., mx.array] | None = None
     vision_rope: Callable[..., mx.array] | None = None
-    row_norm: Callable[..., mx.array] | None = None
     reason: str = "not built"
 
     def summary(self) -> str:
-        used = [name for name in ("qk_norm_rope", "vision_rope", "row_norm") if getattr(self, name) is not None]
+        used = [name for name in ("qk_norm_rope", "vision_rope") if getattr(self, name) is not None]
         return f"{', '.join(used) or 'none'} ({self.reason})"
 
 
@@ -258,25 +169,6 @@ def qk_norm_rope_with(kernel) -> Callable[..., mx.array]:
         return out
 
     return qk_norm_rope
-
-
-def row_norm_with(kernel) -> Callable[..., mx.array]:
-    """`norm(x)` for an MLX LayerNorm or RMSNorm module `norm` over the last axis of `x`, through `kernel`."""
-    eps_arrays: dict[float, mx.array] = {}
-
-    def row_norm(norm, x: mx.array) -> mx.array:
-        width = x.shape[-1]
-        rows = x.reshape(-1, width)
-        layer = type(norm) is nn.LayerNorm
-        weight = norm.weight.astype(x.dtype)
-        eps = eps_arrays.setdefault(norm.eps, mx.array([norm.eps], dtype=mx.float32))
-        (out,) = kernel(inputs=[rows, weight, norm.bias.astype(x.dtype) if layer else weight, eps],
-                        template=[("T", x.dtype), ("W", width), ("LAYER", layer)],
-                        grid=(rows.shape[0] * 32, 1, 1), threadgroup=(THREADS, 1, 1),
-                        output_shapes=[rows.shape], output_dtypes=[x.dtype])
-        return out.reshape(x.shape)
-
-    return row_norm
 
 
 def vision_rope_with(kernel) -> Callable[..., mx.array]:
@@ -378,26 +270,9 @@ def check_vision_rope(vision_rope, dtype: mx.Dtype, seed: int = 0) -> str | None
     return None
 
 
-def check_row_norm(row_norm, dtype: mx.Dtype, seed: int = 0) -> str | None:
-    """None when `row_norm` matches MLX's LayerNorm and RMSNorm on random rows (a width whose words do not
-    divide evenly among a warp's lanes), else the problem."""
-    rng = np.random.default_rng(seed)
-    width = 8 * 45
-    x = mx.array(rng.normal(0.5, 2, (29, width)).astype(np.float32)).astype(dtype)
-    layer, rms = nn.LayerNorm(width, eps=1e-6), nn.RMSNorm(width, eps=1e-5)
-    layer.weight = mx.array(rng.normal(1, 0.3, width).astype(np.float32)).astype(dtype)
-    layer.bias = mx.array(rng.normal(0, 0.3, width).astype(np.float32)).astype(dtype)
-    rms.weight = mx.array(rng.normal(1, 0.3, width).astype(np.float32)).astype(dtype)
-    for name, norm in (("LayerNorm", layer), ("RMSNorm", rms)):
-        ulps = _ulps_apart(row_norm(norm, x), norm(x), dtype)
-        if ulps > MAX_ULPS:
-            return f"{name} differs from MLX's by {ulps:.1f} units in the last place"
-    return None
-
-
 def select_fused_kernels(device: str, dtype: mx.Dtype, *, qk_norms: bool = True,
-                         build_qk_norm_rope=_qk_norm_rope_kernel, build_vision_rope=_vision_rope_kernel,
-                         build_row_norm=_row_norm_kernel) -> FusedKernels:
+                         build_qk_norm_rope=_qk_norm_rope_kernel,
+                         build_vision_rope=_vision_rope_kernel) -> FusedKernels:
     """The kernels to use for `device` ("cpu" | "metal" | "cuda") and the engine's `dtype`: on CUDA in half
     precision, each one that builds and matches the portable form (builders injectable for tests).
     `qk_norms`: whether the model's attention normalises q and k (Qwen3); without them that kernel is not built."""
@@ -405,8 +280,7 @@ def select_fused_kernels(device: str, dtype: mx.Dtype, *, qk_norms: bool = True,
         return FusedKernels(reason=f"portable forms on {device}")
     if dtype not in HALF_DTYPES:
         return FusedKernels(reason=f"portable forms in {dtype}: the kernels are for half precision")
-    wanted = [("vision_rope", build_vision_rope, vision_rope_with, check_vision_rope),
-              ("row_norm", build_row_norm, row_norm_with, check_row_norm)]
+    wanted = [("vision_rope", build_vision_rope, vision_rope_with, check_vision_rope)]
     if qk_norms:
         wanted.insert(0, ("qk_norm_rope", build_qk_norm_rope, qk_norm_rope_with, check_qk_norm_rope))
     chosen, problems = {}, []
@@ -436,8 +310,3 @@ def activate(kernels: FusedKernels) -> None:
 def active() -> FusedKernels:
     return _ACTIVE
 
-
-def apply_norm(norm, x: mx.array) -> mx.array:
-    """`norm(x)` through the active row-norm kernel where it applies (the vision blocks' norms), else as is."""
-    kernel = _ACTIVE.row_norm
-    return kernel(norm, x) if kernel is not None and norm_suits(norm, x) else norm(x)

@@ -18,7 +18,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cuda_fused import apply_norm
 from .vision_attention import RopeTables, SegmentPlan, drop_repeated_boundaries, packed_attention, rope_tables
 
 Grid = tuple[tuple[int, int, int], ...]
@@ -142,8 +141,8 @@ def run_blocks(blocks, hidden: mx.array, plan: TowerPlan, taps: dict[int, Callab
     (Qwen3-VL's DeepStack mergers). Returns (hidden, tapped outputs in block order)."""
     tapped = []
     for i, block in enumerate(blocks):
-        hidden = hidden + packed_attention(block.attn, apply_norm(block.norm1, hidden), plan.segments[i], plan.rope)
-        hidden = hidden + block.mlp(apply_norm(block.norm2, hidden))
+        hidden = hidden + packed_attention(block.attn, block.norm1(hidden), plan.segments[i], plan.rope)
+        hidden = hidden + block.mlp(block.norm2(hidden))
         if taps and i in taps:
             tapped.append(taps[i](hidden))
     return hidden, tapped

@@ -14,12 +14,9 @@ import numpy as np
 import pytest
 
 from batchjob.engine import attention, cuda_fused
-import mlx.nn as nn
-
-from batchjob.engine.cuda_fused import (FusedKernels, check_qk_norm_rope, check_row_norm, check_vision_rope,
-                                        norm_suits, portable_qk_norm_rope, portable_vision_rope, qk_norm_rope_suits,
-                                        qk_norm_rope_with, row_norm_with, select_fused_kernels, vision_rope_suits,
-                                        vision_rope_with)
+from batchjob.engine.cuda_fused import (FusedKernels, check_qk_norm_rope, check_vision_rope, portable_qk_norm_rope,
+                                        portable_vision_rope, qk_norm_rope_suits, qk_norm_rope_with,
+                                        select_fused_kernels, vision_rope_suits, vision_rope_with)
 
 
 def _f32(a: mx.array) -> np.ndarray:
@@ -82,39 +79,6 @@ def emulated_vision_kernel(faults: tuple[str, ...] = ()):
     return kernel
 
 
-def emulated_norm_kernel(faults: tuple[str, ...] = ()):
-    """The row-norm kernel over NumPy: LayerNorm (mean removed, bias added) or RMSNorm per row in float32, the
-    normalised value rounded to the dtype, the weight product rounded, the bias sum rounded."""
-
-    def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        x, weight, bias, eps = inputs
-        args = dict(template)
-        width, layer, dtype = args["W"], args["LAYER"], args["T"]
-        assert x.ndim == 2 and x.shape[1] == width and grid == (x.shape[0] * 32, 1, 1)
-        rnd = lambda a: _f32(mx.array(a.astype(np.float32)).astype(dtype))  # noqa: E731
-        v = _f32(x)
-        mean = v.mean(-1, keepdims=True) if layer and "no_mean" not in faults else 0.0
-        normalizer = 1.0 / np.sqrt(((v - mean) ** 2).mean(-1, keepdims=True) + float(_f32(eps)[0]))
-        out = rnd(rnd((v - mean) * normalizer) * _f32(weight))
-        if layer and "no_bias" not in faults:
-            out = out + _f32(bias)
-        return [mx.array(out.astype(np.float32)).astype(output_dtypes[0])]
-
-    return kernel
-
-
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_the_norm_kernels_statement_matches_mlx_and_planted_faults_do_not(dtype):
-    assert check_row_norm(row_norm_with(emulated_norm_kernel()), dtype) is None
-    for fault in ("no_mean", "no_bias"):
-        problem = check_row_norm(row_norm_with(emulated_norm_kernel((fault,))), dtype)
-        assert problem is not None and "LayerNorm differs" in problem, fault
-    x = mx.zeros((3, 1152), dtype=dtype)
-    assert norm_suits(nn.LayerNorm(1152), x) and norm_suits(nn.RMSNorm(1152), x)
-    assert not norm_suits(nn.LayerNorm(1152, affine=False), x) and not norm_suits(nn.LayerNorm(1152), x.astype(mx.float32))
-    assert not norm_suits(nn.RMSNorm(1156), mx.zeros((3, 1156), dtype=dtype)) and not norm_suits(nn.Linear(4, 4), x)
-
-
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_the_vision_kernels_statement_matches_the_portable_form_and_planted_faults_do_not(dtype):
     assert check_vision_rope(vision_rope_with(emulated_vision_kernel()), dtype) is None
@@ -162,36 +126,35 @@ def test_only_cuda_in_half_precision_builds_and_a_failing_build_falls_back():
     def never(*_):
         raise AssertionError("nothing may be built here")
 
-    nothing = dict(build_qk_norm_rope=never, build_vision_rope=never, build_row_norm=never)
+    nothing = dict(build_qk_norm_rope=never, build_vision_rope=never)
     assert select_fused_kernels("cpu", mx.float32, **nothing) == FusedKernels(reason="portable forms on cpu")
     assert "metal" in select_fused_kernels("metal", mx.bfloat16, **nothing).reason
     assert "half precision" in select_fused_kernels("cuda", mx.float32, **nothing).reason
     tower_only = select_fused_kernels("cuda", mx.bfloat16, qk_norms=False, build_qk_norm_rope=never,
-                                      build_vision_rope=emulated_vision_kernel, build_row_norm=emulated_norm_kernel)
+                                      build_vision_rope=emulated_vision_kernel)
     assert tower_only.qk_norm_rope is None and tower_only.vision_rope is not None
-    assert tower_only.summary() == "vision_rope, row_norm (CUDA kernels matched the portable forms at start)"
+    assert tower_only.summary() == "vision_rope (CUDA kernels matched the portable forms at start)"
 
     def broken():
         raise RuntimeError("nvrtc: error: identifier 'x' is undefined")
 
-    fallen = select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=broken, build_vision_rope=broken,
-                                  build_row_norm=broken)
+    fallen = select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=broken, build_vision_rope=broken)
     assert fallen.qk_norm_rope is None and fallen.vision_rope is None
     assert "nvrtc" in fallen.reason and fallen.summary().startswith("none (")
     wrong = select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=lambda: emulated_kernel(("sign",)),
-                                 build_vision_rope=emulated_vision_kernel, build_row_norm=emulated_norm_kernel)
+                                 build_vision_rope=emulated_vision_kernel)
     assert wrong.qk_norm_rope is None and wrong.vision_rope is not None and "units in the last place" in wrong.reason
     good = select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=emulated_kernel,
-                                build_vision_rope=emulated_vision_kernel, build_row_norm=emulated_norm_kernel)
-    assert good.qk_norm_rope is not None and good.summary().startswith("qk_norm_rope, vision_rope, row_norm (")
+                                build_vision_rope=emulated_vision_kernel)
+    assert good.qk_norm_rope is not None and good.summary().startswith("qk_norm_rope, vision_rope (")
 
 
 def _counting(kernel, calls: list):
-    """`kernel`, noting the shape of each call's first array in `calls`."""
+    """`kernel`, noting the shape of each call's first input in `calls`."""
 
-    def counted(*args):
-        calls.append(next(a.shape for a in args if isinstance(a, mx.array)))
-        return kernel(*args)
+    def counted(qkv, *args):
+        calls.append(qkv.shape)
+        return kernel(qkv, *args)
 
     return counted
 
@@ -227,8 +190,8 @@ def test_the_layer_sends_qwen3s_q_and_k_through_the_active_kernel(tiny_classifie
 
 @pytest.mark.parametrize("name", ["qwen2_5_vl-gqa", "qwen3_vl"])
 def test_the_towers_send_q_and_k_through_the_active_kernel(name, tiny_classifier, rng, make_clip, monkeypatch):
-    """With the towers' kernels active (their statements, counting calls), every vision block calls the rotary
-    once and the norm twice, and the clip's features are the portable path's."""
+    """With the towers' kernel active (its statement, counting calls), every vision block calls it once and the
+    clip's features are the portable path's."""
     from batchjob.engine import vision_attention
     from batchjob.engine.preprocess import preprocess_video
 
@@ -236,13 +199,10 @@ def test_the_towers_send_q_and_k_through_the_active_kernel(name, tiny_classifier
     clip = make_clip(rng, "tower")
     inputs = preprocess_video(clip.frames, clip.metadata, clf.checkpoint.vision)
     want = clf.checkpoint.encode_clip(inputs)
-    calls, norms = [], []
+    calls = []
     monkeypatch.setattr(cuda_fused, "_ACTIVE", FusedKernels(
-        vision_rope=_counting(vision_rope_with(emulated_vision_kernel()), calls),
-        row_norm=_counting(row_norm_with(emulated_norm_kernel()), norms), reason="test"))
+        vision_rope=_counting(vision_rope_with(emulated_vision_kernel()), calls), reason="test"))
     monkeypatch.setattr(vision_attention, "vision_rope_suits", lambda qkv, d: True)   # the tests run in float32
-    monkeypatch.setattr(cuda_fused, "norm_suits", lambda norm, x: True)
     got = clf.checkpoint.encode_clip(inputs)
-    blocks = clf.checkpoint.model.vision_tower.blocks
-    assert len(calls) == len(blocks) and len(norms) == 2 * len(blocks)
+    assert len(calls) == len(clf.checkpoint.model.vision_tower.blocks)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-5)
