@@ -71,6 +71,12 @@ class Recipe:
 
 RECIPES = {
     # Qwen2.5-VL's order questions stopped at 0.94 with direction alone weighted: they weigh double too.
+    # Still "span" scenes: on "wrap" scenes with 8 frames no run learned direction (0.50-0.63 in five runs of
+    # 3000-7000 steps: learning rate 2e-3, direction x3, a bigger vision tower; 28x56 frames neither). With
+    # num_frames=16, steps=5000 it learned direction from motion (0.875; 0.14 on reversed frames) but not order
+    # (0.54); order x4 (4000 steps, stopped at 2050) and tokens_per_second 4 (extra; 4000 steps: direction 0.51,
+    # order 0.47) learned neither.
+    # Runs: benchmarks/results/demo-model-wrap-attempts-2026-11-26.json.
     "qwen2_5_vl": Recipe("qwen2_5_vl", hidden_size=64, num_layers=2, intermediate_size=256, vision_hidden=64,
                          vision_depth=2, max_pixels=7056, motion="span", kind_weights={"direction": 2.0, "order": 2.0}),
     # The clip's budget gives 64x128 frames: 8 tokens per frame pair, as Qwen2.5-VL's 56x112. At 8 * 7056 the
