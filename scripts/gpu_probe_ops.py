@@ -407,19 +407,6 @@ def main() -> None:
         rows["fused.summary"] = kernels.summary()
         print(kernels.summary(), flush=True)
         qk_kernel = cuda_fused.qk_norm_rope_with(cuda_fused._qk_norm_rope_kernel())
-        vision_kernel = cuda_fused.vision_rope_with(cuda_fused._vision_rope_kernel())
-        from batchjob.engine.vision_attention import rope_tables, rotated_qkv
-        for tag, (n, heads, d) in {"v25": (8192 // div, 16, 80), "v3": (6272 // div, 16, 80)}.items():
-            qkv = (mx.random.normal((n, 3 * heads * d)) * 2).astype(bf)
-            freqs = mx.random.uniform(0, 40, (n, d // 2))
-            tables = rope_tables(freqs)
-            mx.eval(qkv, tables.cos, tables.sin, *tables.halves)
-            t(f"fused.{tag}.vision_rope_portable", lambda: rotated_qkv(qkv, heads, d, tables)[:2])
-            t(f"fused.{tag}.vision_rope_kernel", lambda: vision_kernel(qkv, heads, d, *tables.halves))
-            got = vision_kernel(qkv, heads, d, *tables.halves)
-            rows[f"fused.{tag}.vision_rope_ulps"] = cuda_fused._ulps_apart(
-                got, mx.stack(rotated_qkv(qkv, heads, d, tables)[:2], axis=1), bf)
-            del qkv
         for tag, (T, hq, hkv) in {"q25": (16952 // div, 28, 4), "q3": (13896 // div, 32, 8)}.items():
             d = 128
             qkv = (mx.random.normal((T, hq + 2 * hkv, d)) * 2).astype(bf)

@@ -109,10 +109,12 @@ def rotate_qk(q: mx.array, k: mx.array, cos: mx.array, sin: mx.array, tables: Ro
     return rope_heads(q, hq, cos, sin, tables), rope_heads(k, hkv, cos, sin, tables)
 
 
-def has_qk_norms(language_model: nn.Module) -> bool:
-    """Whether the decoder normalises q and k per head before the rotary embedding (Qwen3)."""
+def qk_norm_heads(language_model: nn.Module) -> tuple[int, int, int] | None:
+    """(q heads, kv heads, head size) where the decoder normalises q and k per head before the rotary embedding
+    (Qwen3), else None."""
     layers = language_model.model.layers
-    return bool(layers) and hasattr(getattr(layers[0].self_attn, "inner", layers[0].self_attn), "q_norm")
+    attn = getattr(layers[0].self_attn, "inner", layers[0].self_attn) if layers else None
+    return (attn.n_heads, attn.n_kv_heads, attn.head_dim) if hasattr(attn, "q_norm") else None
 
 
 def install_paged_attention(language_model: nn.Module) -> int:

@@ -20,7 +20,7 @@ from batchjob.metal_backend.selection import gpu_portable_attention
 
 from batchjob.startup import StepClock
 
-from .attention import has_qk_norms, install_paged_attention
+from .attention import install_paged_attention, qk_norm_heads
 from .checkpoint import LoadedCheckpoint, load_checkpoint
 from .cuda_fused import activate as activate_fused_kernels
 from .cuda_fused import select_fused_kernels
@@ -106,7 +106,7 @@ class Classifier:
         self._device = mx.cpu if checkpoint.device == "cpu" else mx.gpu  # pinned: several engines may share a process
         lm = checkpoint.model.language_model
         num_layers = install_paged_attention(lm)
-        self.fused_kernels = select_fused_kernels(checkpoint.device, checkpoint.dtype, qk_norms=has_qk_norms(lm))
+        self.fused_kernels = select_fused_kernels(checkpoint.device, checkpoint.dtype, qk_heads=qk_norm_heads(lm))
         activate_fused_kernels(self.fused_kernels)
         log.info("fused kernels: %s", self.fused_kernels.summary())
         self.runtime = EngineRuntime(checkpoint.device, dtype_name(checkpoint.dtype), self.attention_backend, reason,

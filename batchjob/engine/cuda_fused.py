@@ -1,21 +1,17 @@
-"""Rotary embeddings (with Qwen3's per-head q/k RMSNorm before them) as hand-written CUDA kernels.
+"""Qwen3's per-head q/k RMSNorm and the rotary embedding after it as one hand-written CUDA kernel.
 
 On NVIDIA GPUs the decoder layer's GEMMs run near the measured ceiling; what is left beyond them is passes over
 activations. In MLX the q/k norm is a row reduction over 128-wide rows (slow on its CUDA backend), a rounding
 to the input's dtype, then a rotary kernel: three passes over q and k. The kernel gives one warp a head row:
 the sum of squares by shuffles, the rotary partner half from the lane 16 away, one read and one write.
-The vision towers' rotary embedding is the second kernel: MLX's compiled form reads q and k of the stacked
-projection through broadcast tables and a reversed view with general strided indexing, slower than their bytes;
-the kernel reads the tables' halves once, and a thread takes four pairs (x[i], x[i + D/2]) of a head of q or k
-as 8-byte words. (SwiGLU was tried the same way and measured: MLX's compiled form already runs at memory
-bandwidth there.)
+(SwiGLU was tried the same way and measured: MLX's compiled form already runs at memory bandwidth there.)
 
-The kernels round where MLX's path rounds (the norm's output to the input's dtype before the weight, the weight
-product, each rotary product and their sum), so they agree with it except where a float sum taken in another
-order moves a rounding: a unit in the last place of a typical element. The engine builds them once at
-start on CUDA in half precision and compares them with the portable forms on random inputs
+The kernel rounds where MLX's path rounds (the norm's output to the input's dtype before the weight, the weight
+product, each rotary product and their sum), so it agrees with it except where a float sum of squares taken in
+another order moves a rounding: a unit in the last place of a typical element. The engine builds it once at
+start on CUDA in half precision and compares it with the portable form on random inputs
 (`select_fused_kernels`); a kernel that fails to build or to match is not used, and the reason is in the run's
-summary. Elsewhere (CPU, Metal, float32) nothing is built and the portable forms run.
+summary. Elsewhere (CPU, Metal, float32) nothing is built and the portable form runs.
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from .fused_ops import RotaryTables, rope_heads, rotate_half_rope, split_tables
+from .fused_ops import RotaryTables, rope_heads, split_tables
 
 HALF_DTYPES = (mx.bfloat16, mx.float16)
 THREADS = 256
@@ -79,49 +75,6 @@ _QK_NORM_ROPE = r"""
 """
 
 
-_VISION_ROPE = r"""
-    constexpr int HALF = D / 2;
-    constexpr int GROUPS = HALF / 4;   // a thread takes four consecutive pairs: 8-byte loads of q/k, 16 of tables
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long tokens = qkv_shape[0];
-    if (idx >= tokens * 2 * H * GROUPS) return;
-    const int i = (int)(idx % GROUPS) * 4;
-    long long rest = idx / GROUPS;
-    const int h = (int)(rest % H);
-    rest /= H;
-    const int which = (int)(rest % 2);   // 0: q, 1: k
-    const long long n = rest / 2;
-    const T* x = qkv + n * (3 * H * D) + (which * H + h) * D;
-    const uint2 w1 = *reinterpret_cast<const uint2*>(x + i);
-    const uint2 w2 = *reinterpret_cast<const uint2*>(x + i + HALF);
-    const float4 c = *reinterpret_cast<const float4*>(cos_half + n * HALF + i);
-    const float4 s = *reinterpret_cast<const float4*>(sin_half + n * HALF + i);
-    const T* a = reinterpret_cast<const T*>(&w1);
-    const T* b = reinterpret_cast<const T*>(&w2);
-    const float cs[4] = {c.x, c.y, c.z, c.w};
-    const float ss[4] = {s.x, s.y, s.z, s.w};
-    uint2 o1, o2;
-    T* p1 = reinterpret_cast<T*>(&o1);
-    T* p2 = reinterpret_cast<T*>(&o2);
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        // x * cos + rotate_half(x) * sin with fp32 tables, each product and the sum rounded once in fp32
-        const float x1 = static_cast<float>(a[j]);
-        const float x2 = static_cast<float>(b[j]);
-        p1[j] = static_cast<T>(__fadd_rn(__fmul_rn(x1, cs[j]), -__fmul_rn(x2, ss[j])));
-        p2[j] = static_cast<T>(__fadd_rn(__fmul_rn(x2, cs[j]), __fmul_rn(x1, ss[j])));
-    }
-    T* o = out + ((n * 2 + which) * H + h) * D;
-    *reinterpret_cast<uint2*>(o + i) = o1;
-    *reinterpret_cast<uint2*>(o + i + HALF) = o2;
-"""
-
-
-def _vision_rope_kernel():
-    return mx.fast.cuda_kernel(name="batchjob_vision_rope", input_names=["qkv", "cos_half", "sin_half"],
-                               output_names=["out"], source=_VISION_ROPE)
-
-
 def _qk_norm_rope_kernel():
     return mx.fast.cuda_kernel(name="batchjob_qk_norm_rope",
                                input_names=["qkv", "q_weight", "k_weight", "cos_table", "sin_table", "eps"],
@@ -133,21 +86,15 @@ def qk_norm_rope_suits(qkv: mx.array, head_dim: int) -> bool:
     return qkv.dtype in HALF_DTYPES and head_dim % 64 == 0 and head_dim <= 256
 
 
-def vision_rope_suits(qkv: mx.array, head_dim: int) -> bool:
-    """Half precision, and a rotary half of whole groups of four (8-byte words): head sizes 72, 80, 128 do."""
-    return qkv.dtype in HALF_DTYPES and head_dim % 8 == 0
-
-
 @dataclass(frozen=True)
 class FusedKernels:
     """The kernels in use (None: the portable form runs) and why, for the run's summary."""
 
     qk_norm_rope: Callable[..., mx.array] | None = None
-    vision_rope: Callable[..., mx.array] | None = None
     reason: str = "not built"
 
     def summary(self) -> str:
-        used = [name for name in ("qk_norm_rope", "vision_rope") if getattr(self, name) is not None]
+        used = [name for name in ("qk_norm_rope",) if getattr(self, name) is not None]
         return f"{', '.join(used) or 'none'} ({self.reason})"
 
 
@@ -169,29 +116,6 @@ def qk_norm_rope_with(kernel) -> Callable[..., mx.array]:
         return out
 
     return qk_norm_rope
-
-
-def vision_rope_with(kernel) -> Callable[..., mx.array]:
-    """q and k of a vision block's stacked projection `qkv [N, 3 * heads * head_dim]` rotated: `[N, 2, heads,
-    head_dim]`. `cos_half`/`sin_half`: the rotary tables' halves `[N, head_dim / 2]` in float32 (the towers'
-    halves repeat)."""
-
-    def vision_rope(qkv: mx.array, heads: int, head_dim: int, cos_half: mx.array, sin_half: mx.array) -> mx.array:
-        tokens = qkv.shape[0]
-        (out,) = kernel(inputs=[qkv, cos_half, sin_half], template=[("T", qkv.dtype), ("H", heads), ("D", head_dim)],
-                        grid=(tokens * heads * head_dim // 4, 1, 1), threadgroup=(THREADS, 1, 1),
-                        output_shapes=[(tokens, 2, heads, head_dim)], output_dtypes=[qkv.dtype])
-        return out
-
-    return vision_rope
-
-
-def portable_vision_rope(qkv: mx.array, heads: int, head_dim: int, cos_half: mx.array, sin_half: mx.array) -> mx.array:
-    """What a vision block computes without the kernel (`vision_attention.rotated_qkv`'s rotate-half form, which
-    its pair-swap form equals bit for bit): `[N, 2, heads, head_dim]`."""
-    cos = mx.concatenate([cos_half, cos_half], axis=-1)[:, None, None, :]
-    sin = mx.concatenate([sin_half, sin_half], axis=-1)[:, None, None, :]
-    return rotate_half_rope(qkv.reshape(qkv.shape[0], 3, heads, head_dim)[:, :2], cos, sin)
 
 
 def portable_qk_norm_rope(qkv: mx.array, hq: int, hkv: int, q_norm, k_norm, cos: mx.array, sin: mx.array,
@@ -237,10 +161,15 @@ def _ulps_apart(got: mx.array, want: mx.array, dtype: mx.Dtype) -> float:
 MAX_ULPS = 8.0
 
 
-def check_qk_norm_rope(qk_norm_rope, dtype: mx.Dtype, seed: int = 0) -> str | None:
-    """None when `qk_norm_rope` matches the portable form on random heads and tables, else the problem."""
+CHECK_HEADS = (4, 2, 128)   # q heads, kv heads, head size of the check where no model's are given
+
+
+def check_qk_norm_rope(qk_norm_rope, dtype: mx.Dtype, heads: tuple[int, int, int] = CHECK_HEADS,
+                       seed: int = 0) -> str | None:
+    """None when `qk_norm_rope` matches the portable form on random heads and tables, else the problem. `heads`:
+    the model's (q heads, kv heads, head size), so the kernel compiled for the check is the one its layers use."""
     rng = np.random.default_rng(seed)
-    tokens, hq, hkv, d = 19, 4, 2, 128
+    tokens, (hq, hkv, d) = 19, heads
 
     def arr(*shape, scale=1.0):
         return mx.array((rng.normal(0, scale, shape)).astype(np.float32)).astype(dtype)
@@ -257,37 +186,25 @@ def check_qk_norm_rope(qk_norm_rope, dtype: mx.Dtype, seed: int = 0) -> str | No
     return None
 
 
-def check_vision_rope(vision_rope, dtype: mx.Dtype, seed: int = 0) -> str | None:
-    """None when `vision_rope` matches the portable form on random heads (head size 80: not a power of two)."""
-    rng = np.random.default_rng(seed)
-    tokens, heads, d = 37, 3, 80
-    qkv = mx.array(rng.normal(0, 2, (tokens, 3 * heads * d)).astype(np.float32)).astype(dtype)
-    freqs = rng.uniform(0, 40, (tokens, d // 2)).astype(np.float32)
-    c, s = mx.array(np.cos(freqs)), mx.array(np.sin(freqs))
-    ulps = _ulps_apart(vision_rope(qkv, heads, d, c, s), portable_vision_rope(qkv, heads, d, c, s), dtype)
-    if ulps > MAX_ULPS:
-        return f"vision rotary differs from the portable form by {ulps:.1f} units in the last place"
-    return None
-
-
-def select_fused_kernels(device: str, dtype: mx.Dtype, *, qk_norms: bool = True,
-                         build_qk_norm_rope=_qk_norm_rope_kernel,
-                         build_vision_rope=_vision_rope_kernel) -> FusedKernels:
+def select_fused_kernels(device: str, dtype: mx.Dtype, *, qk_heads: tuple[int, int, int] | None = CHECK_HEADS,
+                         build_qk_norm_rope=_qk_norm_rope_kernel) -> FusedKernels:
     """The kernels to use for `device` ("cpu" | "metal" | "cuda") and the engine's `dtype`: on CUDA in half
-    precision, each one that builds and matches the portable form (builders injectable for tests).
-    `qk_norms`: whether the model's attention normalises q and k (Qwen3); without them that kernel is not built."""
+    precision, each one that builds and matches the portable form (the builder injectable for tests).
+    `qk_heads`: (q heads, kv heads, head size) of a model whose attention normalises q and k (Qwen3), None for
+    one that does not: then nothing is built."""
+    if qk_heads is None:
+        return FusedKernels(reason="no q/k norms in this model")
     if device != "cuda":
         return FusedKernels(reason=f"portable forms on {device}")
     if dtype not in HALF_DTYPES:
         return FusedKernels(reason=f"portable forms in {dtype}: the kernels are for half precision")
-    wanted = [("vision_rope", build_vision_rope, vision_rope_with, check_vision_rope)]
-    if qk_norms:
-        wanted.insert(0, ("qk_norm_rope", build_qk_norm_rope, qk_norm_rope_with, check_qk_norm_rope))
+    if not qk_norm_rope_suits(mx.zeros((1, 1, 1), dtype=dtype), qk_heads[2]):
+        return FusedKernels(reason=f"portable forms for head size {qk_heads[2]} (the kernel takes multiples of 64)")
     chosen, problems = {}, []
-    for name, build, wrap, check in wanted:
+    for name, build, wrap, check in (("qk_norm_rope", build_qk_norm_rope, qk_norm_rope_with, check_qk_norm_rope),):
         try:
             fn = wrap(build())
-            problem = check(fn, dtype)
+            problem = check(fn, dtype, qk_heads)
         except Exception as exc:   # NVRTC errors, a missing header: the portable form still works
             problem = f"{name} failed to build or run: {type(exc).__name__}: {str(exc)[:300]}"
         if problem is None:

@@ -16,8 +16,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cuda_fused import active as active_fused_kernels
-from .cuda_fused import vision_rope_suits
 from .fused_ops import RotaryTables, pairs_suit, rope_pairs, rotate_half_rope
 
 
@@ -75,7 +73,6 @@ class RopeTables:
     cos: mx.array
     sin: mx.array
     pairs: RotaryTables | None = None   # the same split for `rope_pairs`, where that form is the faster one
-    halves: tuple[mx.array, mx.array] | None = None   # cos, sin `[tokens, head_dim / 2]` (cuda_fused's kernel)
 
 
 def rope_tables(freqs: mx.array) -> RopeTables:
@@ -86,20 +83,16 @@ def rope_tables(freqs: mx.array) -> RopeTables:
     c, s = mx.cos(freqs), mx.sin(freqs)
     cos, sin = table(c), table(s)
     if not pairs_suit(cos.shape[-1]):
-        return RopeTables(cos, sin, halves=(c, s))
+        return RopeTables(cos, sin)
     # the halves repeat by construction: one cos half serves both (a smaller table to read in every block)
-    return RopeTables(cos, sin, RotaryTables(c[:, None, None, None, :], mx.stack([-s, s], axis=-2)[:, None, None]),
-                      halves=(c, s))
+    return RopeTables(cos, sin, RotaryTables(c[:, None, None, None, :], mx.stack([-s, s], axis=-2)[:, None, None]))
 
 
 def rotated_qkv(qkv: mx.array, heads: int, head_dim: int, rope: RopeTables) -> tuple[mx.array, mx.array, mx.array]:
     """q and k rotated, and v, from the stacked projection's output `[tokens, 3 * heads * head_dim]`, each
     `[tokens, heads, head_dim]` (views of one rotated array and of the projection)."""
     tokens = qkv.shape[0]
-    kernel = active_fused_kernels().vision_rope
-    if kernel is not None and rope.halves is not None and vision_rope_suits(qkv, head_dim):   # one CUDA kernel
-        qk = kernel(qkv, heads, head_dim, *rope.halves)
-    elif rope.pairs is not None:
+    if rope.pairs is not None:
         qk = rope_pairs(qkv.reshape(tokens, 3, heads, 2, head_dim // 2)[:, :2], rope.pairs)
         qk = qk.reshape(tokens, 2, heads, head_dim)
     else:

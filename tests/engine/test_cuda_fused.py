@@ -1,7 +1,6 @@
-"""The CUDA kernels' logic on a CPU (Qwen3's q/k norm + rotary, the towers' rotary): their wrappers, their
-start-up check and fallback, the layers' dispatch. The CUDA sources run only on the GPU machine
-(`gpu_probe_ops.py --sections fused`, and the engine's own check at start); here independent NumPy statements of
-what each source computes stand in for them.
+"""The CUDA q/k norm + rotary kernel's logic on a CPU: its wrapper, its start-up check and fallback, the layer's
+dispatch. The kernel's CUDA source runs only on the GPU machine (`gpu_probe_ops.py --sections fused`, and the
+engine's own check at start); here an independent NumPy statement of what the source computes stands in for it.
 """
 
 from __future__ import annotations
@@ -14,9 +13,8 @@ import numpy as np
 import pytest
 
 from batchjob.engine import attention, cuda_fused
-from batchjob.engine.cuda_fused import (FusedKernels, check_qk_norm_rope, check_vision_rope, portable_qk_norm_rope,
-                                        portable_vision_rope, qk_norm_rope_suits, qk_norm_rope_with,
-                                        select_fused_kernels, vision_rope_suits, vision_rope_with)
+from batchjob.engine.cuda_fused import (FusedKernels, check_qk_norm_rope, portable_qk_norm_rope, qk_norm_rope_suits,
+                                        qk_norm_rope_with, select_fused_kernels)
 
 
 def _f32(a: mx.array) -> np.ndarray:
@@ -55,50 +53,6 @@ def emulated_kernel(faults: tuple[str, ...] = ()):
     return kernel
 
 
-def emulated_vision_kernel(faults: tuple[str, ...] = ()):
-    """The towers' rotary kernel over NumPy: for q and k of each head, `(x1 c - x2 s, x2 c + x1 s)` in float32 with
-    the tables' halves, rounded once to the dtype."""
-
-    def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        qkv, cos_half, sin_half = inputs
-        args = dict(template)
-        heads, d = args["H"], args["D"]
-        tokens = qkv.shape[0]
-        assert grid == (tokens * heads * d // 4, 1, 1) and output_shapes == [(tokens, 2, heads, d)]
-        assert cos_half.dtype == mx.float32 and cos_half.shape == (tokens, d // 2)
-        x = _f32(qkv).reshape(tokens, 3, heads, d)[:, :2]
-        x1, x2 = x[..., :d // 2], x[..., d // 2:]
-        c, s = _f32(cos_half)[:, None, None, :], _f32(sin_half)[:, None, None, :]
-        if "halves_swapped" in faults:
-            x1, x2 = x2, x1
-        out = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
-        if "q_for_k" in faults:
-            out[:, 1] = out[:, 0]
-        return [mx.array(out).astype(output_dtypes[0])]
-
-    return kernel
-
-
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_the_vision_kernels_statement_matches_the_portable_form_and_planted_faults_do_not(dtype):
-    assert check_vision_rope(vision_rope_with(emulated_vision_kernel()), dtype) is None
-    for fault in ("halves_swapped", "q_for_k"):
-        problem = check_vision_rope(vision_rope_with(emulated_vision_kernel((fault,))), dtype)
-        assert problem is not None and "units in the last place" in problem, fault
-    assert vision_rope_suits(mx.zeros((2, 3), dtype=dtype), 72) and not vision_rope_suits(mx.zeros((2, 3)), 80)
-    assert not vision_rope_suits(mx.zeros((2, 3), dtype=dtype), 36)
-
-
-def test_vision_rope_on_fresh_shapes(rng):
-    heads, d, tokens = int(rng.integers(1, 5)), int(rng.choice([16, 72, 80, 128])), int(rng.integers(3, 50))
-    qkv = mx.array(rng.normal(0, 2, (tokens, 3 * heads * d)).astype(np.float32)).astype(mx.bfloat16)
-    freqs = rng.uniform(0, 30, (tokens, d // 2)).astype(np.float32)
-    c, s = mx.array(np.cos(freqs)), mx.array(np.sin(freqs))
-    got = vision_rope_with(emulated_vision_kernel())(qkv, heads, d, c, s)
-    assert got.shape == (tokens, 2, heads, d)
-    assert cuda_fused._ulps_apart(got, portable_vision_rope(qkv, heads, d, c, s), mx.bfloat16) <= cuda_fused.MAX_ULPS
-
-
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_the_kernels_statement_matches_the_portable_form_and_planted_faults_do_not(dtype):
     assert check_qk_norm_rope(qk_norm_rope_with(emulated_kernel()), dtype) is None
@@ -126,37 +80,36 @@ def test_only_cuda_in_half_precision_builds_and_a_failing_build_falls_back():
     def never(*_):
         raise AssertionError("nothing may be built here")
 
-    nothing = dict(build_qk_norm_rope=never, build_vision_rope=never)
-    assert select_fused_kernels("cpu", mx.float32, **nothing) == FusedKernels(reason="portable forms on cpu")
-    assert "metal" in select_fused_kernels("metal", mx.bfloat16, **nothing).reason
-    assert "half precision" in select_fused_kernels("cuda", mx.float32, **nothing).reason
-    tower_only = select_fused_kernels("cuda", mx.bfloat16, qk_norms=False, build_qk_norm_rope=never,
-                                      build_vision_rope=emulated_vision_kernel)
-    assert tower_only.qk_norm_rope is None and tower_only.vision_rope is not None
-    assert tower_only.summary() == "vision_rope (CUDA kernels matched the portable forms at start)"
+    assert select_fused_kernels("cpu", mx.float32, build_qk_norm_rope=never).qk_norm_rope is None
+    assert "no q/k norms" in select_fused_kernels("cuda", mx.bfloat16, qk_heads=None,
+                                                  build_qk_norm_rope=never).reason
+    assert "head size 72" in select_fused_kernels("cuda", mx.bfloat16, qk_heads=(8, 2, 72),
+                                                  build_qk_norm_rope=never).reason
+    checked = []
+
+    def at_model_heads():
+        kernel = emulated_kernel()
+
+        def noting(**call):
+            checked.append(dict(call["template"]))
+            return kernel(**call)
+
+        return noting
+
+    chosen = select_fused_kernels("cuda", mx.bfloat16, qk_heads=(6, 3, 64), build_qk_norm_rope=at_model_heads)
+    assert chosen.qk_norm_rope is not None and [(c["HQ"], c["HK"], c["D"]) for c in checked] == [(6, 3, 64)]
+    assert "metal" in select_fused_kernels("metal", mx.bfloat16, build_qk_norm_rope=never).reason
+    assert "half precision" in select_fused_kernels("cuda", mx.float32, build_qk_norm_rope=never).reason
 
     def broken():
         raise RuntimeError("nvrtc: error: identifier 'x' is undefined")
 
-    fallen = select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=broken, build_vision_rope=broken)
-    assert fallen.qk_norm_rope is None and fallen.vision_rope is None
-    assert "nvrtc" in fallen.reason and fallen.summary().startswith("none (")
-    wrong = select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=lambda: emulated_kernel(("sign",)),
-                                 build_vision_rope=emulated_vision_kernel)
-    assert wrong.qk_norm_rope is None and wrong.vision_rope is not None and "units in the last place" in wrong.reason
-    good = select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=emulated_kernel,
-                                build_vision_rope=emulated_vision_kernel)
-    assert good.qk_norm_rope is not None and good.summary().startswith("qk_norm_rope, vision_rope (")
-
-
-def _counting(kernel, calls: list):
-    """`kernel`, noting the shape of each call's first input in `calls`."""
-
-    def counted(qkv, *args):
-        calls.append(qkv.shape)
-        return kernel(qkv, *args)
-
-    return counted
+    fallen = select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=broken)
+    assert fallen.qk_norm_rope is None and "nvrtc" in fallen.reason and fallen.summary().startswith("none (")
+    wrong = select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=lambda: emulated_kernel(("sign",)))
+    assert wrong.qk_norm_rope is None and "units in the last place" in wrong.reason
+    good = select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=emulated_kernel)
+    assert good.qk_norm_rope is not None and good.summary().startswith("qk_norm_rope (")
 
 
 def test_suits_half_precision_and_heads_the_warp_splits():
@@ -172,37 +125,22 @@ def test_the_layer_sends_qwen3s_q_and_k_through_the_active_kernel(tiny_classifie
     answers are the portable path's."""
     clf = tiny_classifier("qwen3_vl")
     assert clf.runtime.fused_kernels == "none (portable forms on cpu)"
-    assert attention.has_qk_norms(clf.checkpoint.model.language_model)
-    assert not attention.has_qk_norms(tiny_classifier().checkpoint.model.language_model)
+    assert attention.qk_norm_heads(clf.checkpoint.model.language_model) == (4, 2, 32)
+    assert attention.qk_norm_heads(tiny_classifier().checkpoint.model.language_model) is None
     clip = make_clip(rng, f"fused-{uuid.uuid4().hex}")
     request = make_request(rng, "r", clip)
     want = clf.classify([request])[0]
     calls = []
-    monkeypatch.setattr(cuda_fused, "_ACTIVE", FusedKernels(
-        qk_norm_rope=_counting(qk_norm_rope_with(emulated_kernel()), calls), reason="test"))
+    wrapped = qk_norm_rope_with(emulated_kernel())
+
+    def counting(qkv, *args):
+        calls.append(qkv.shape)
+        return wrapped(qkv, *args)
+
+    monkeypatch.setattr(cuda_fused, "_ACTIVE", FusedKernels(qk_norm_rope=counting, reason="test"))
     monkeypatch.setattr(attention, "qk_norm_rope_suits", lambda qkv, d: True)   # the tiny model's head is 32 wide
     again = dataclasses.replace(clip, media_id=f"again-{uuid.uuid4().hex}")   # not served from the feature cache
     got = clf.classify([dataclasses.replace(request, clip=again)])[0]
     layers = len(clf.checkpoint.model.language_model.model.layers)
     assert len(calls) == layers and want.error is None and got.error is None
     np.testing.assert_allclose(got.probs, want.probs, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", ["qwen2_5_vl-gqa", "qwen3_vl"])
-def test_the_towers_send_q_and_k_through_the_active_kernel(name, tiny_classifier, rng, make_clip, monkeypatch):
-    """With the towers' kernel active (its statement, counting calls), every vision block calls it once and the
-    clip's features are the portable path's."""
-    from batchjob.engine import vision_attention
-    from batchjob.engine.preprocess import preprocess_video
-
-    clf = tiny_classifier(name)
-    clip = make_clip(rng, "tower")
-    inputs = preprocess_video(clip.frames, clip.metadata, clf.checkpoint.vision)
-    want = clf.checkpoint.encode_clip(inputs)
-    calls = []
-    monkeypatch.setattr(cuda_fused, "_ACTIVE", FusedKernels(
-        vision_rope=_counting(vision_rope_with(emulated_vision_kernel()), calls), reason="test"))
-    monkeypatch.setattr(vision_attention, "vision_rope_suits", lambda qkv, d: True)   # the tests run in float32
-    got = clf.checkpoint.encode_clip(inputs)
-    assert len(calls) == len(clf.checkpoint.model.vision_tower.blocks)
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=1e-5)
