@@ -4,12 +4,13 @@ On NVIDIA GPUs the decoder layer's GEMMs run near the measured ceiling; what is 
 activations. In MLX the q/k norm is a row reduction over 128-wide rows (slow on its CUDA backend), a rounding
 to the input's dtype, then a rotary kernel: three passes over q and k. The kernel gives one warp a head row:
 the sum of squares by shuffles, the rotary partner half from the lane 16 away, one read and one write.
-(SwiGLU was tried the same way and measured: MLX's compiled form already runs at memory bandwidth there.)
+(SwiGLU, the vision towers' rotary embedding and their norms were tried the same way and dropped:
+docs/cuda_kernels.md says what each measured.)
 
 The kernel rounds where MLX's path rounds (the norm's output to the input's dtype before the weight, the weight
 product, each rotary product and their sum), so it agrees with it except where a float sum of squares taken in
 another order moves a rounding: a unit in the last place of a typical element. The engine builds it once at
-start on CUDA in half precision and compares it with the portable form on random inputs
+start on CUDA in half precision and compares it with the portable form on random inputs at the model's head counts
 (`select_fused_kernels`); a kernel that fails to build or to match is not used, and the reason is in the run's
 summary. Elsewhere (CPU, Metal, float32) nothing is built and the portable form runs.
 """
@@ -200,19 +201,14 @@ def select_fused_kernels(device: str, dtype: mx.Dtype, *, qk_heads: tuple[int, i
         return FusedKernels(reason=f"portable forms in {dtype}: the kernels are for half precision")
     if not qk_norm_rope_suits(mx.zeros((1, 1, 1), dtype=dtype), qk_heads[2]):
         return FusedKernels(reason=f"portable forms for head size {qk_heads[2]} (the kernel takes multiples of 64)")
-    chosen, problems = {}, []
-    for name, build, wrap, check in (("qk_norm_rope", build_qk_norm_rope, qk_norm_rope_with, check_qk_norm_rope),):
-        try:
-            fn = wrap(build())
-            problem = check(fn, dtype, qk_heads)
-        except Exception as exc:   # NVRTC errors, a missing header: the portable form still works
-            problem = f"{name} failed to build or run: {type(exc).__name__}: {str(exc)[:300]}"
-        if problem is None:
-            chosen[name] = fn
-        else:
-            problems.append(problem)
-    reason = "; ".join(problems) if problems else "CUDA kernels matched the portable forms at start"
-    return FusedKernels(reason=reason, **chosen)
+    try:
+        kernel = qk_norm_rope_with(build_qk_norm_rope())
+        problem = check_qk_norm_rope(kernel, dtype, qk_heads)
+    except Exception as exc:   # NVRTC errors, a missing header: the portable form still works
+        problem = f"qk_norm_rope failed to build or run: {type(exc).__name__}: {str(exc)[:300]}"
+    if problem is not None:
+        return FusedKernels(reason=problem)
+    return FusedKernels(qk_norm_rope=kernel, reason="the CUDA kernel matched the portable form at start")
 
 
 _ACTIVE = FusedKernels()
