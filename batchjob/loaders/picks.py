@@ -10,6 +10,7 @@ targets are keyframe picks whose repeats become the frames right after the keyfr
 from __future__ import annotations
 
 from bisect import bisect_right
+from typing import Iterator
 
 import numpy as np
 
@@ -93,6 +94,16 @@ def fill_targets(keyframe_indices: list[int], total_frames: int, num_frames: int
     return pulled
 
 
+def keyframe_runs(keyframe_indices: list[int], total_frames: int, num_frames: int) -> Iterator[tuple[int, int, int]]:
+    """For each keyframe `keyframe_picks` uses, in order: (its position in the list, how many frames it is picked
+    for, the first frame after its GOP: the next keyframe or the clip's end). The burst rules differ only in
+    which frames of that GOP replace the repeats."""
+    picks = keyframe_picks(len(keyframe_indices), num_frames)
+    for p in sorted(set(picks)):
+        end = keyframe_indices[p + 1] if p + 1 < len(keyframe_indices) else total_frames
+        yield p, picks.count(p), end
+
+
 def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: int, step: int) -> list[int]:
     """The keyframe picks, with every repeat of a keyframe replaced by the frame `step` after the one before it.
 
@@ -114,12 +125,10 @@ def burst_targets(keyframe_indices: list[int], total_frames: int, num_frames: in
         raise ValueError(f"step must be a positive integer, got {step!r}")
     if num_frames >= total_frames:
         return list(range(total_frames))  # every frame once, as the uniform loaders return it
-    picks = keyframe_picks(len(keyframe_indices), num_frames)
     out = []
-    for p in sorted(set(picks)):
-        m = picks.count(p)
+    for p, m, end in keyframe_runs(keyframe_indices, total_frames, num_frames):
         anchor = keyframe_indices[p]
-        room = (keyframe_indices[p + 1] if p + 1 < len(keyframe_indices) else total_frames) - anchor
+        room = end - anchor
         s = min(step, max(1, (room - 1) // max(1, m - 1)))
         out.extend(anchor + min(j * s, room - 1) for j in range(m))
     return out
@@ -147,13 +156,10 @@ def decode_order_bursts(keyframe_indices: list[int], keyframe_positions: list[in
                          f"{num_frames} asked")
     if num_frames >= total:
         return list(range(total))  # every frame once, as the uniform loaders return it
-    picks = keyframe_picks(len(keyframe_indices), num_frames)
     out = []
-    for p in sorted(set(picks)):
-        m = picks.count(p)
+    for p, m, end in keyframe_runs(keyframe_indices, total, num_frames):
         wanted = m if most is None else min(m, most)
         anchor = keyframe_indices[p]
-        end = keyframe_indices[p + 1] if p + 1 < len(keyframe_indices) else total
         stop = keyframe_positions[p + 1] if p + 1 < len(keyframe_positions) else total
         chosen = [anchor]
         for j in range(max(0, keyframe_positions[p]), stop):
