@@ -92,6 +92,9 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
     shutil.rmtree(tmp, ignore_errors=True)
     write_tiny_checkpoint(tmp, recipe.spec(seed))
     if init_from is not None:
+        if not all((Path(init_from) / name).is_file() for name in ("config.json", "model.safetensors")):
+            raise SystemExit(f"--init-from {init_from}: no config.json and model.safetensors there; give a "
+                             f"checkpoint directory this script trained")
         if (Path(init_from) / "config.json").read_text() != (tmp / "config.json").read_text():
             raise SystemExit(f"--init-from {init_from}: its config.json is not the {recipe.model_type} recipe's")
         shutil.copyfile(Path(init_from) / "model.safetensors", tmp / "model.safetensors")
