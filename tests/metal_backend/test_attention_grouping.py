@@ -367,8 +367,8 @@ def test_followers_of_many_clips_are_one_stacked_call(rng, dense_reference, monk
     q_lens, cached, groups = [], [], []
     for clip in range(clips):
         prefix = 62 * block_size + int(rng.integers(0, block_size - 1))   # 62 full blocks each, shared per clip
-        for _ in range(3):
-            q_lens.append(int(rng.integers(20, 40)))
+        for _ in range(3):   # folds of 84-96 rows: within PAD_SLACK of each other, so the rule stacks them all
+            q_lens.append(int(rng.integers(28, 33)))
             cached.append(prefix)
             groups.append(clip)
     q_lens += [int(rng.integers(30, 60))]
