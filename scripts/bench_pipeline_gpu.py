@@ -561,7 +561,7 @@ def main(argv=None) -> None:
     gpu = shutil.which("nvidia-smi") is not None
     env = environment()
     path = results_path(args.out, env, args.smoke or args.tiny_model, args.model)
-    report: dict = {"model": args.model, "hub_id": job_model.hub_id, "dims": dims,
+    report: dict = {"model": args.model, "shape_of": job_model.hub_id, "dims": dims,
                     "environment": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                     "shipped_config_path": str(job_model.config.relative_to(ROOT)),
                     "shipped_config": job_model.config.read_text(), "methods": {}, "complete": False}
