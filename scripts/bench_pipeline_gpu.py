@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """The whole job on a GPU machine, as users run it: a checkpoint on disk, the shipped config, `batchjob run`.
 
-Model: random weights in Qwen2.5-VL-7B's shape (`--layers`/`--vision-layers` cut the depth) written once per
-machine as a real checkpoint directory (safetensors shards, bf16 on a GPU), so the engine loads it from disk as
-it loads a downloaded one. Config: `configs/nextqa.yaml` as shipped, with only the paths, the loader and the
-job's size changed (the dataset is written in NExT-QA's MC format, which that config's adapter reads).
+Model (`--model`): random weights in the published shape of the checkpoint the model's shipped config names
+(qwen2_5_vl: Qwen2.5-VL-7B, `configs/nextqa.yaml`; qwen3_vl: Qwen3-VL-8B, `configs/nextqa-qwen3vl.yaml`;
+`--layers`/`--vision-layers` cut the depth) written once per machine as a real checkpoint directory (safetensors
+shards, bf16 on a GPU), so the engine loads it from disk as it loads a downloaded one. Config: that shipped config,
+with only the paths, the loader and the job's size changed (the dataset is written in NExT-QA's MC format, which
+its adapter reads).
 
 Dataset: synthetic clips shaped like real footage (`benchlib.clips`): 1280x720 and 1920x1080, 30 s and 600 s
 long, H.264 and HEVC, 24-30 fps, a keyframe every 2-10 s; `--clips` clips over `--distinct` encoded files (the
@@ -31,10 +33,11 @@ Figures per method: rows/s end to end and in the streaming phase and their ratio
 answer, step by step, from the run's own stats) and the model load in it, the memory budget the engine chose,
 GPU busy fraction, overlap, decode ms per clip, cores per GPU, peak host memory (PSS of the run's process tree,
 sampled, and each process's own high-water mark), CUDA kernels compiled during the run, mean GPU utilisation.
-Written to `<out>/pipeline-<gpu>-<date>.json` after every method.
+Written to `<out>/pipeline-<model>-<gpu>-<date>.json` after every method.
 
     scripts/netns.sh bash -c 'source scripts/env.sh; python scripts/bench_pipeline_gpu.py --smoke --explicit-budget-gb 4'
     python3 scripts/bench_pipeline_gpu.py --out $OUT --cache /tmp/bjcache          # on the GPU machine
+    python3 scripts/bench_pipeline_gpu.py --model qwen3_vl --out $OUT --cache /tmp/bjcache
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ import numpy as np
 
 import benchlib.env
 from benchlib.clips import SMOKE_SHAPE, ClipSpec, Shape, encode_clips, job_clip_names, plan_clips
+from benchlib.job_models import MODELS
 from benchlib.measure import run_measured
 
 HERE = Path(__file__).resolve()
@@ -114,38 +118,39 @@ def build_dataset(cache: Path, specs: list[ClipSpec], clips: int, questions: int
 
 
 # --- models -------------------------------------------------------------------------------------------------
-SHIPPED_CONFIG = ROOT / "configs" / "nextqa.yaml"
+SHIPPED_CONFIG = MODELS["qwen2_5_vl"].config
 IN_PROCESS_ENGINE = "batchjob.synthetic.random_engine:RandomWeightsEngine"
 KERNEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchjob" / "mlx-cuda-kernels"
 
 
-def ensure_checkpoint(cache: Path, dims: dict, layers: int, vision_layers: int, max_pixels: int,
-                      dtype: str) -> tuple[Path, float]:
-    """The model as users have it: a checkpoint directory on disk (safetensors shards) in `dims`' shape, written
-    once per machine by a child process (this one never holds the GPU). Returns its path and the seconds spent."""
-    path = cache / f"checkpoint-h{dims['hidden']}-L{layers}-V{vision_layers}-p{max_pixels}-{dtype}"
+def ensure_checkpoint(cache: Path, dims: dict, layers: int, vision_layers: int, max_pixels: int | None,
+                      dtype: str, model_type: str = "qwen2_5_vl") -> tuple[Path, float]:
+    """The model as users have it: a `model_type` checkpoint directory on disk (safetensors shards) in `dims`'
+    shape, its processor's default `max_pixels` (None: the hub's), written once per machine by a child process
+    (this one never holds the GPU). Returns its path and the seconds spent."""
+    path = cache / f"checkpoint-{model_type}-h{dims['hidden']}-L{layers}-V{vision_layers}-p{max_pixels or 'hub'}-{dtype}"
     if (path / ".complete").exists():
         return path, 0.0
     t0 = time.perf_counter()
     code = ("import json, sys; from batchjob.synthetic.random_engine import write_random_checkpoint as w; "
-            "w(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), max_pixels=int(sys.argv[5]), "
-            "dtype=sys.argv[6])")
+            "w(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), "
+            "max_pixels=json.loads(sys.argv[5]), dtype=sys.argv[6], model_type=sys.argv[7])")
     subprocess.run([sys.executable, "-c", code, str(path), json.dumps(dims), str(layers), str(vision_layers),
-                    str(max_pixels), dtype], check=True)
+                    json.dumps(max_pixels), dtype, model_type], check=True)
     (path / ".complete").touch()
     return path, time.perf_counter() - t0
 
 
-def ensure_in_process_model(cache: Path, dims: dict, layers: int, vision_layers: int, max_pixels: int) -> Path:
+def ensure_in_process_model(cache: Path, dims: dict, layers: int, vision_layers: int, max_pixels: int | None,
+                            model_type: str = "qwen2_5_vl") -> Path:
     """A tiny checkpoint naming the shape to build in the engine's process (`--in-process-model`, a diagnostic)."""
-    from batchjob.synthetic.random_engine import scaled_config, write_random_config
-    from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
+    from batchjob.synthetic.random_engine import scaled_config, tiny_spec, write_random_config
+    from batchjob.synthetic.tiny_model import write_tiny_checkpoint
 
-    path = cache / f"model-h{dims['hidden']}-L{layers}-V{vision_layers}-p{max_pixels}"
+    path = cache / f"model-{model_type}-h{dims['hidden']}-L{layers}-V{vision_layers}-p{max_pixels or 'hub'}"
     if not (path / ".complete").exists():
         shutil.rmtree(path, ignore_errors=True)
-        write_tiny_checkpoint(path, TinyModelSpec(model_type="qwen2_5_vl", max_pixels=max_pixels,
-                                                  min_pixels=28 * 28 * 4))
+        write_tiny_checkpoint(path, tiny_spec(model_type, max_pixels))
         tiny = json.loads((path / "config.json").read_text())
         write_random_config(path, scaled_config(tiny, dims, layers, vision_layers))
         (path / ".complete").touch()
@@ -153,12 +158,12 @@ def ensure_in_process_model(cache: Path, dims: dict, layers: int, vision_layers:
 
 
 def user_config(data: Dataset, checkpoint: Path, loader: str, out: Path, *, limit: int | None = None,
-                budget_gb: float | None = None) -> dict:
-    """configs/nextqa.yaml as shipped: only the paths, the loader and the job's size change (and, for the
-    explicit-budget run, `model.memory_budget_gb`)."""
+                budget_gb: float | None = None, shipped: Path = SHIPPED_CONFIG) -> dict:
+    """The model's shipped config (configs/nextqa.yaml, nextqa-qwen3vl.yaml) as shipped: only the paths, the loader
+    and the job's size change (and, for the explicit-budget run, `model.memory_budget_gb`)."""
     import yaml
 
-    cfg = yaml.safe_load(SHIPPED_CONFIG.read_text())
+    cfg = yaml.safe_load(shipped.read_text())
     cfg["dataset"].update(annotation=str(data.annotation), video_root=str(data.clips_dir), limit=limit)
     cfg["model"]["checkpoint"] = str(checkpoint)
     cfg["loader"]["name"] = loader
@@ -272,7 +277,8 @@ def run_user(args, name: str, checkpoint: Path, data: Dataset, work: Path) -> di
         evicted = evict_from_page_cache(checkpoint)
         print(f"{name}: a plain read of the evicted checkpoint took {read_s:.1f} s ({read_bytes / read_s / 2**30:.2f} "
               f"GiB/s); {evicted / 2**30:.1f} GiB evicted again", flush=True)
-    cfg = user_config(data, checkpoint, loader, work / f"out-{name}", limit=limit, budget_gb=budget)
+    cfg = user_config(data, checkpoint, loader, work / f"out-{name}", limit=limit, budget_gb=budget,
+                      shipped=MODELS[args.model].config)
     if name == ACTOR_ENGINE:
         cfg["runtime"]["engine_placement"] = "actors"
     got = {"loader": loader, "explicit_budget_gb": budget, **run_job(args, name, cfg, work, data.info["clips"])}
@@ -333,7 +339,8 @@ def cores_per_gpu(decode_ms_per_clip: float | None, engine_ms_per_clip: float | 
 
 
 def run_baseline(args, model: Path, data: Dataset, job_rows: int) -> dict:
-    cmd = [sys.executable, str(HERE), "--baseline-worker", str(model), str(data.manifest), str(args.baseline_clips)]
+    cmd = [sys.executable, str(HERE), "--baseline-worker", str(model), str(data.manifest), str(args.baseline_clips),
+           "--model", args.model]
     for flag in ("device", "dtype", "max_pixels", "memory_budget_gb", "num_frames"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -468,8 +475,8 @@ def environment() -> dict:
     return benchlib.env.environment(("av", "ray", "mlx.core", "cv2"))
 
 
-def results_path(out: Path, env: dict, smoke: bool) -> Path:
-    return benchlib.env.results_path(out, env, "pipeline", "-smoke" if smoke else "")
+def results_path(out: Path, env: dict, smoke: bool, model: str = "qwen2_5_vl") -> Path:
+    return benchlib.env.results_path(out, env, f"pipeline-{model}", "-smoke" if smoke else "")
 
 
 def save(report: dict, path: Path) -> None:
@@ -492,15 +499,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hevc-fraction", type=float, default=0.25, help="share of HEVC clips (the rest H.264)")
     ap.add_argument("--questions", type=int, default=3, help="questions per clip")
     ap.add_argument("--segment-s", type=float, default=10.0, help="seconds encoded per clip (repeated to length)")
-    ap.add_argument("--layers", type=int, default=28, help="text layers (28 = Qwen2.5-VL-7B)")
-    ap.add_argument("--vision-layers", type=int, default=32, help="vision blocks (32 = Qwen2.5-VL-7B)")
+    ap.add_argument("--model", default="qwen2_5_vl", choices=sorted(MODELS), help="the model family and its "
+                    "shipped config: qwen2_5_vl = Qwen2.5-VL-7B, configs/nextqa.yaml; qwen3_vl = Qwen3-VL-8B, "
+                    "configs/nextqa-qwen3vl.yaml")
+    ap.add_argument("--layers", type=int, default=None, help="text layers (default: the published model's: "
+                    "28 for Qwen2.5-VL-7B, 36 for Qwen3-VL-8B)")
+    ap.add_argument("--vision-layers", type=int, default=None, help="vision blocks (default: the published "
+                    "model's: 32 for Qwen2.5-VL-7B, 27 for Qwen3-VL-8B)")
     ap.add_argument("--first-run-clips", type=int, default=64, help="clips of the first run (cold caches)")
     ap.add_argument("--explicit-budget-gb", type=float, default=60.0, help="model.memory_budget_gb of that run")
     ap.add_argument("--in-process-model", action="store_true", help="diagnostic: build the random model in the "
                     "engine's process (no checkpoint on disk; loader methods only)")
     # The in-process diagnostic and the baseline set these; the user path reads them from the shipped config.
     ap.add_argument("--num-frames", type=int, default=16)
-    ap.add_argument("--max-pixels", type=int, default=448 * 448, help="per frame (the shipped config's value)")
+    ap.add_argument("--max-pixels", type=int, default=None, help="default: the shipped config's model.max_pixels, "
+                    "in the family's unit (per frame for Qwen2.5-VL, the whole clip for Qwen3-VL)")
     ap.add_argument("--memory-budget-gb", type=float, default=None)
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"))
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
@@ -518,6 +531,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--baseline-worker", nargs=3, metavar=("MODEL", "MANIFEST", "CLIPS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.workers = args.workers or os.cpu_count() or 2
+    job_model = MODELS[args.model]
+    published = job_model.dims(False)
+    args.layers = args.layers or published["layers"]
+    args.vision_layers = args.vision_layers or published["v_depth"]
+    args.max_pixels = args.max_pixels or job_model.max_pixels()
     if args.smoke or args.tiny_model:
         args.layers, args.vision_layers = min(args.layers, 2), min(args.vision_layers, 4)
     if args.smoke:
@@ -537,19 +555,20 @@ def main(argv=None) -> None:
     if args.baseline_worker:
         model, manifest, clips = args.baseline_worker
         return baseline_worker(model, manifest, int(clips), args)
-    from batchjob.synthetic.random_engine import QWEN25_VL_7B, SMOKE
-
+    job_model = MODELS[args.model]
     shape = SMOKE_SHAPE if args.smoke else Shape()
-    dims = SMOKE if args.smoke or args.tiny_model else QWEN25_VL_7B
+    dims = job_model.dims(args.smoke or args.tiny_model)
     gpu = shutil.which("nvidia-smi") is not None
     env = environment()
-    path = results_path(args.out, env, args.smoke or args.tiny_model)
-    report: dict = {"environment": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                    "shipped_config": SHIPPED_CONFIG.read_text(), "methods": {}, "complete": False}
+    path = results_path(args.out, env, args.smoke or args.tiny_model, args.model)
+    report: dict = {"model": args.model, "shape_of": job_model.hub_id, "dims": dims,
+                    "environment": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                    "shipped_config_path": str(job_model.config.relative_to(ROOT)),
+                    "shipped_config": job_model.config.read_text(), "methods": {}, "complete": False}
     print(f"# {env['gpu']}, {env['cpus']} CPUs; {args.clips} clips ({args.distinct} encoded, "
           f"{args.long_fraction:.0%} long, {args.hevc_fraction:.0%} HEVC) x {args.questions} questions; model "
-          f"{args.layers}/{args.vision_layers} layers {'built in process' if args.in_process_model else 'on disk'}",
-          flush=True)
+          f"{args.model} ({job_model.hub_id}'s shape, {job_model.config.name}) {args.layers}/{args.vision_layers} "
+          f"layers {'built in process' if args.in_process_model else 'on disk'}", flush=True)
     specs = plan_clips(args.distinct, long_fraction=args.long_fraction, hevc_fraction=args.hevc_fraction,
                        seed=args.seed, shape=shape)
     data = build_dataset(args.cache, specs, args.clips, args.questions, args.segment_s, args.workers, args.seed,
@@ -557,12 +576,16 @@ def main(argv=None) -> None:
     report["dataset"] = data.info
     print(f"dataset: {data.info['clips']} clips, {data.info['rows']} rows, {data.info['encoded']} encoded in "
           f"{data.info['build_s']:.1f} s ({data.info['bytes_total'] / 2**20:.0f} MiB distinct)", flush=True)
+    # The checkpoint's own processor default: Qwen2.5-VL's as before (the config's per-frame value), Qwen3-VL's
+    # as published (the shipped config sets the job's whole-clip budget over it).
+    checkpoint_pixels = None if job_model.clip_budget else args.max_pixels
     if args.in_process_model:
         model, report["model_write_s"] = ensure_in_process_model(args.cache, dims, args.layers, args.vision_layers,
-                                                                 args.max_pixels), 0.0
+                                                                 checkpoint_pixels, args.model), 0.0
     else:
         model, report["model_write_s"] = ensure_checkpoint(args.cache, dims, args.layers, args.vision_layers,
-                                                           args.max_pixels, "bfloat16" if gpu else "float32")
+                                                           checkpoint_pixels, "bfloat16" if gpu else "float32",
+                                                           args.model)
         report["checkpoint_bytes"] = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         print(f"checkpoint: {model} ({report['checkpoint_bytes'] / 2**30:.1f} GiB, written in "
               f"{report['model_write_s']:.1f} s)", flush=True)

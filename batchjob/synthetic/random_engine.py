@@ -97,23 +97,45 @@ def build_random_model(config_dir: Path, dtype):
     return model
 
 
+# Qwen3-VL's published video processor bounds (`size`, over the whole clip) and image processor maximum, so a
+# random checkpoint reads like a downloaded one where a job config leaves them unset (a tiny spec has one minimum
+# for both processors: the video's, which a video job reads).
+QWEN3_VL_PROCESSOR = dict(min_pixels=4096, max_pixels=16777216, video_max_pixels=25165824)
+
+
+def tiny_spec(model_type: str, max_pixels: int | None = None):
+    """The tiny checkpoint a random one borrows its tokenizer and processor settings from. `max_pixels`: the
+    processor's default bound (per frame for Qwen2.5-VL, the whole clip for Qwen3-VL); None = the hub's."""
+    from batchjob.synthetic.tiny_model import TinyModelSpec
+
+    if model_type == "qwen2_5_vl":
+        return TinyModelSpec(model_type=model_type, max_pixels=max_pixels or 448 * 448, min_pixels=28 * 28 * 4)
+    if model_type == "qwen3_vl":
+        p = QWEN3_VL_PROCESSOR
+        return TinyModelSpec(model_type=model_type, min_pixels=p["min_pixels"], max_pixels=p["max_pixels"],
+                             video_max_pixels=max_pixels or p["video_max_pixels"])
+    raise ValueError(f"model_type {model_type!r}: random checkpoints are written for {', '.join(SHAPES)}")
+
+
 def write_random_checkpoint(path: str | Path, dims: dict, layers: int, vision_layers: int, *,
-                            max_pixels: int | None = None, dtype: str = "bfloat16") -> Path:
+                            max_pixels: int | None = None, dtype: str = "bfloat16",
+                            model_type: str = "qwen2_5_vl") -> Path:
     """A real checkpoint directory on disk in `dims`' shape: the tiny checkpoint's tokenizer and processor
-    settings, the scaled config, random weights saved as safetensors shards by mlx-vlm (its own layout, as
-    mlx-community's checkpoints are). What a user's downloaded checkpoint is to `batchjob run`, at that size."""
+    settings (`tiny_spec`), the scaled config (`model_type`'s layout: flat for Qwen2.5-VL, nested for Qwen3-VL),
+    random weights saved as safetensors shards by mlx-vlm (its own layout, as mlx-community's checkpoints are).
+    What a user's downloaded checkpoint is to `batchjob run`, at that size."""
     import shutil
 
     import mlx.core as mx
     from mlx_vlm.utils import save_weights
 
-    from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
+    from batchjob.synthetic.tiny_model import write_tiny_checkpoint
 
     path = Path(path)
+    spec = tiny_spec(model_type, max_pixels)
     if path.exists():
         shutil.rmtree(path)
-    write_tiny_checkpoint(path, TinyModelSpec(model_type="qwen2_5_vl", max_pixels=max_pixels or 448 * 448,
-                                              min_pixels=28 * 28 * 4))
+    write_tiny_checkpoint(path, spec)
     tiny = json.loads((path / "config.json").read_text())
     for f in path.glob("*.safetensors*"):
         f.unlink()

@@ -29,6 +29,7 @@ def _load_script():
 
 bench = _load_script()
 import benchlib.clips as clips  # noqa: E402  (importable once the script put scripts/ on sys.path)
+import benchlib.job_models as job_models  # noqa: E402
 
 
 @pytest.mark.parametrize("count,long_fraction,hevc_fraction,seed", [(48, 0.25, 0.25, 0), (37, 0.3, 0.1, 5),
@@ -152,15 +153,44 @@ def test_the_user_path_is_the_default_and_the_in_process_model_a_flag():
     assert bench.parse_args(["--in-process-model", "--methods", "pyav_keyframes,opencv"]).in_process_model
 
 
-def test_user_config_is_the_shipped_config_with_paths_loader_and_size_changed(tmp_path):
+def test_each_model_follows_its_published_checkpoint_and_shipped_config():
+    """--model picks the shipped config; the depth and pixel defaults follow it (Qwen3-VL's pixels are the clip's)."""
+    for model, layers, vision, pixels, config in (("qwen2_5_vl", 28, 32, 256 * 28 * 28, "nextqa.yaml"),
+                                                  ("qwen3_vl", 36, 27, 16 * 256 * 28 * 28, "nextqa-qwen3vl.yaml")):
+        args = bench.parse_args(["--model", model] if model != "qwen2_5_vl" else [])
+        assert (args.model, args.layers, args.vision_layers, args.max_pixels) == (model, layers, vision, pixels)
+        assert job_models.MODELS[model].config.name == config
+        assert job_models.published_mismatches(job_models.MODELS[model]) == {}
+        smoke = bench.parse_args(["--model", model, "--smoke"])
+        assert (smoke.layers, smoke.vision_layers, smoke.max_pixels) == (2, 4, pixels)
+        assert bench.parse_args(["--model", model, "--layers", "4"]).layers == 4
+        path = bench.results_path(Path("/r"), {"gpu": "NVIDIA H100 80GB HBM3"}, False, model)
+        assert path.name.startswith(f"pipeline-{model}-NVIDIA-H100-80GB-HBM3-")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "qwen3_vl_moe"])
+
+
+def test_published_shape_check_names_a_field_that_drifted(monkeypatch):
+    from batchjob.synthetic import random_engine
+
+    drifted = dict(random_engine.QWEN3_VL_8B, v_depth=24, deepstack=(8, 16, 23))
+    monkeypatch.setitem(random_engine.SHAPES, "qwen3_vl", (drifted, random_engine.SMOKE_QWEN3))
+    assert job_models.published_mismatches(job_models.MODELS["qwen3_vl"]) == \
+        {"v_depth": (24, 27), "deepstack": ((8, 16, 23), (8, 16, 24))}
+
+
+@pytest.mark.parametrize("model", sorted(job_models.MODELS))
+def test_user_config_is_the_shipped_config_with_paths_loader_and_size_changed(tmp_path, model):
     import yaml
 
     from batchjob.config import parse_config
 
     data = bench.Dataset(tmp_path / "job", tmp_path / "job" / "nextqa_mc.parquet", tmp_path / "job" / "m.jsonl", {})
-    shipped = yaml.safe_load(bench.SHIPPED_CONFIG.read_text())
+    config = job_models.MODELS[model].config
+    shipped = yaml.safe_load(config.read_text())
     for loader, limit, budget in (("opencv", None, None), ("pyav_keyframes", 30, 60.0)):
-        cfg = bench.user_config(data, tmp_path / "ckpt", loader, tmp_path / "out", limit=limit, budget_gb=budget)
+        cfg = bench.user_config(data, tmp_path / "ckpt", loader, tmp_path / "out", limit=limit, budget_gb=budget,
+                                shipped=config)
         changed = {(section, key) for section in shipped for key in (shipped[section] or {})
                    if isinstance(shipped[section], dict) and cfg[section][key] != shipped[section][key]}
         allowed = {("dataset", "annotation"), ("dataset", "video_root"), ("dataset", "limit"), ("model", "checkpoint"),
@@ -170,6 +200,7 @@ def test_user_config_is_the_shipped_config_with_paths_loader_and_size_changed(tm
         job = parse_config(cfg, tmp_path / "bench.yaml")
         assert job.dataset.adapter == "nextqa" and job.loader.name == loader and job.model.memory_budget_gb == budget
         assert job.dataset.limit == limit and job.model.engine == "mlx"
+        assert job.model.max_pixels == shipped["model"]["max_pixels"] == job_models.MODELS[model].max_pixels()
 
 
 def test_dataset_in_nextqa_format_reads_back_through_the_shipped_adapter(tmp_path):
@@ -240,6 +271,43 @@ def test_random_checkpoint_on_disk_loads_as_a_downloaded_one(tmp_path):
     assert [s.name for s in clf.startup][:3] == ["imports", "checkpoint_files", "device_init"]
 
 
+def test_random_qwen3_checkpoint_on_disk_is_a_qwen3_vl_checkpoint_the_engine_loads(tmp_path):
+    """`--model qwen3_vl`'s checkpoint: Qwen3-VL's nested config (model_type qwen3_vl, DeepStack taps cut with the
+    depth), the hub's video processor bounds, its weights read back bit for bit, and answers through the engine."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import load_model
+
+    from batchjob.engine import Classifier, ClassifyRequest, Clip, EngineConfig
+    from batchjob.synthetic.random_engine import QWEN3_VL_PROCESSOR, SMOKE_QWEN3
+
+    path, spent = bench.ensure_checkpoint(tmp_path, SMOKE_QWEN3, 3, 2, None, "float32", "qwen3_vl")
+    assert spent > 0 and path.name == "checkpoint-qwen3_vl-h256-L3-V2-phub-float32"
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl" and "hidden_size" not in config
+    assert (config["text_config"]["num_hidden_layers"], config["text_config"]["head_dim"]) == (3, SMOKE_QWEN3["head_dim"])
+    assert config["vision_config"]["depth"] == 2 and config["vision_config"]["deepstack_visual_indexes"] == [0, 1]
+    video = json.loads((path / "video_preprocessor_config.json").read_text())["size"]
+    assert video == {"shortest_edge": QWEN3_VL_PROCESSOR["min_pixels"],
+                     "longest_edge": QWEN3_VL_PROCESSOR["video_max_pixels"]}
+    saved = {}
+    for f in path.glob("*.safetensors"):
+        saved.update(mx.load(str(f)))
+    loaded = dict(tree_flatten(load_model(path).parameters()))     # as the engine's loader reads it
+    assert set(saved) == set(loaded) and all(mx.array_equal(saved[k], loaded[k]).item() for k in saved)
+    clip_pixels = 16 * 256 * 28 * 28                                  # nextqa-qwen3vl.yaml's whole-clip budget
+    clf = Classifier.from_pretrained(path, EngineConfig(max_pixels=clip_pixels))
+    assert clf.checkpoint.model_type == "qwen3_vl"
+    assert (clf.checkpoint.vision.pixel_budget, clf.checkpoint.vision.max_pixels) == ("clip", clip_pixels)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    frames = rng.integers(0, 256, (4, 64, 96, 3), dtype=np.uint8)
+    meta = {"fps": 8.0, "frames_indices": [0, 8, 16, 24], "total_num_frames": 32, "duration": 4.0,
+            "frames_timestamps": [0.0, 1.0, 2.0, 3.0], "video_backend": "test", "do_sample_frames": False}
+    [res] = clf.classify([ClassifyRequest("r", Clip(frames, meta, "v"), "What?", ["a", "b", "c"])])
+    assert res.error is None and len(res.probs) == 3 and abs(sum(res.probs) - 1) < 1e-5, seed
+
+
 def test_evicting_the_checkpoint_from_the_page_cache_names_its_bytes(tmp_path):
     (tmp_path / "a").write_bytes(b"x" * 5000)
     (tmp_path / "sub").mkdir()
@@ -249,18 +317,20 @@ def test_evicting_the_checkpoint_from_the_page_cache_names_its_bytes(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_smoke_run_end_to_end(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model", sorted(job_models.MODELS))
+def test_smoke_run_end_to_end(tmp_path, monkeypatch, model):
     """The whole script as the GPU run calls it, tiny: every method runs and the results file has figures."""
     monkeypatch.setattr(bench, "KERNEL_CACHE", tmp_path / "kernels")   # first_run empties it
     out = tmp_path / "out"
-    common = ["--smoke", "--clips", "3", "--distinct", "3", "--long-fraction", "0.5", "--hevc-fraction", "0.5",
+    common = ["--model", model, "--smoke", "--clips", "3", "--distinct", "3", "--long-fraction", "0.5", "--hevc-fraction", "0.5",
               "--questions", "2", "--baseline-clips", "2", "--first-run-clips", "2", "--workers", "2",
               "--cache", str(tmp_path / "cache"), "--out", str(out), "--run-timeout-s", "300"]
     bench.main(common + ["--methods", "first_run,pyav_keyframes,explicit_budget,cold_cache,actor_engine,baseline",
                          "--explicit-budget-gb", "4"])
-    [path] = out.glob("pipeline-*-smoke.json")
+    [path] = out.glob(f"pipeline-{model}-*-smoke.json")
     report = json.loads(path.read_text())
-    assert report["complete"] is True and "nextqa" in report["shipped_config"]
+    assert report["complete"] is True and report["model"] == model
+    assert report["shipped_config"] == job_models.MODELS[model].config.read_text()
     assert set(report["methods"]) == {"first_run", "pyav_keyframes", "explicit_budget", "cold_cache", "actor_engine",
                                       "baseline"}
     for name, method in report["methods"].items():
@@ -286,6 +356,7 @@ def test_smoke_run_end_to_end(tmp_path, monkeypatch):
     assert report["dataset"]["long_clips"] == 1 and report["dataset"]["hevc_clips"] == 1
     # The diagnostic: the same loader with the model built in the engine's process.
     bench.main(common + ["--in-process-model", "--methods", "pyav_keyframes", "--out", str(tmp_path / "out2")])
-    [path] = (tmp_path / "out2").glob("pipeline-*-smoke.json")
+    [path] = (tmp_path / "out2").glob(f"pipeline-{model}-*-smoke.json")
     diag = json.loads(path.read_text())["methods"]["pyav_keyframes"]
     assert "error" not in diag and diag["rows"] == 6 and diag["stats"]["model"].startswith("random:")
+    assert diag["stats"]["model"].startswith(f"random:model-{model}-")

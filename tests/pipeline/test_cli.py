@@ -92,6 +92,42 @@ def test_shipped_configs_parse_and_demo_copy_matches():
         ("Qwen/Qwen3-VL-8B-Instruct", "actual", "pyav_keyframes")
 
 
+# What nextqa-qwen3vl.yaml may set apart from nextqa.yaml: the job's name, the model, its output, Qwen3-VL's
+# whole-clip pixel budget (a per-frame value would mean 16x fewer pixels) and its timestamp rule.
+QWEN3_MAY_DIFFER = {"job", "model.checkpoint", "model.max_pixels", "model.timestamps", "output.directory", "source"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_qwen3vl_config_is_nextqa_but_for_the_model_family():
+    """Users switch models by switching these two files: every other setting (runtime sizing, remote I/O, device)
+    and its comment must be the same, or the Qwen3-VL job silently runs another way."""
+    from pathlib import Path
+
+    from batchjob.config import load_config
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    base, qwen3 = (_flat(load_config(configs / f).model_dump()) for f in ("nextqa.yaml", "nextqa-qwen3vl.yaml"))
+    assert set(base) == set(qwen3)
+    differ = {k for k in base if base[k] != qwen3[k]}
+    assert differ <= QWEN3_MAY_DIFFER, {k: (base[k], qwen3[k]) for k in differ - QWEN3_MAY_DIFFER}
+    assert qwen3["model.max_pixels"] == 16 * base["model.max_pixels"]        # the same pixels per frame, 16 frames
+    assert qwen3["runtime.decode_actors"] == qwen3["runtime.engine_actors"] == "auto"
+    # The text too, below the header: the same keys in the same order with the same comments, except the
+    # allowed keys' own lines (a comment that drifts misleads as much as a value).
+    def body(name: str) -> list[str]:
+        lines = (configs / name).read_text().splitlines()
+        return [ln for ln in lines[next(i for i, ln in enumerate(lines) if ln.startswith("job:")):]
+                if ln.strip().split(":")[0] not in {"job", "checkpoint", "max_pixels", "timestamps", "directory",
+                                                    "temporal_step"}]
+    assert body("nextqa.yaml") == body("nextqa-qwen3vl.yaml")
+
+
 def test_budget_larger_than_the_device_exits_2_before_any_work(tmp_path, h, synthetic):
     """`validate` and `run` refuse a memory budget this machine's device (here the CPU's RAM) cannot hold."""
     from batchjob.engine.memory_budget import host_ram_bytes
