@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--contend", type=int, default=0, help="processes decoding and preparing clips in a loop "
                     "while the engine answers (as the job's decoders do)")
     ap.add_argument("--contend-nice", type=int, default=0, help="their nice value")
+    ap.add_argument("--cache-limit-gb", type=float, default=None, help="mx.set_cache_limit after the load")
+    ap.add_argument("--clear-each-batch", action="store_true", help="mx.clear_cache() after every batch")
     ap.add_argument("--smoke", action="store_true", help="tiny clips and model: checks the script on a CPU")
     a = ap.parse_args()
     args = B.parse_args(["--model", a.model, "--cache", str(a.cache), "--clips", str(max(a.clips, 64))]
@@ -106,12 +108,24 @@ def main() -> None:
         for p in burners:
             p.start()
         time.sleep(3)
-    ms = []
+    import mlx.core as mx
+
+    clf = engine._clf
+    if a.cache_limit_gb is not None:
+        mx.set_cache_limit(int(a.cache_limit_gb * 2**30))
+    ms, memory = [], []
     for b in batches("timed"):
         t = time.perf_counter()
         engine.answer(b)
+        if a.clear_each_batch:
+            mx.clear_cache()
         ms.append((time.perf_counter() - t) * 1e3 / len(b))
-    print(f"{a.model} (contend {a.contend}, nice {a.contend_nice}): ms per clip per batch: {[round(x) for x in ms]}; median {sorted(ms)[len(ms) // 2]:.0f}",
+        memory.append((round(mx.get_active_memory() / 2**30, 1), round(mx.get_cache_memory() / 2**30, 1),
+                       len(clf.pool._free)))
+    print(f"per batch (active GiB, MLX cache GiB, never-used KV blocks): {memory}; memory limit "
+          f"{mx.get_memory_limit() / 2**30:.1f} GiB, peak {mx.get_peak_memory() / 2**30:.1f} GiB", flush=True)
+    print(f"{a.model} (contend {a.contend}, nice {a.contend_nice}, cache limit {a.cache_limit_gb} GiB, clear each "
+          f"batch {a.clear_each_batch}): ms per clip per batch: {[round(x) for x in ms]}; median {sorted(ms)[len(ms) // 2]:.0f}",
           flush=True)
     if burners:
         stop.set()

@@ -72,6 +72,16 @@ def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_l
     return plan, auto_tokens
 
 
+def cap_buffer_cache(limit: int) -> int:
+    """Lower MLX's limit on cached free buffers to `limit` (MemoryPlan.buffer_cache_bytes); a lower limit the
+    process set already stays. Returns the limit in force."""
+    previous = mx.set_cache_limit(limit)
+    if previous < limit:
+        mx.set_cache_limit(previous)
+        return previous
+    return limit
+
+
 CUDA_REASON = ("NVIDIA GPU: the portable path on cuDNN's fused SDPA (no custom CUDA attention kernels: "
                "docs/cuda_kernels.md)")
 
@@ -114,6 +124,7 @@ class Classifier:
         clock.mark("attention_select")
         kv_heads, head_dim = checkpoint.family.kv_shape(lm)   # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
         self.memory, self.auto_batched_tokens = plan_engine_memory(checkpoint, config, num_layers)
+        self.buffer_cache_bytes = cap_buffer_cache(self.memory.buffer_cache_bytes)
         num_blocks = self.memory.kv_blocks
         log.info("memory budget %.1f GiB (%s): %d KV blocks, %d tokens per forward", self.memory.budget_bytes / 2**30,
                  self.memory.source, num_blocks, self.max_num_batched_tokens)
