@@ -16,9 +16,12 @@ def test_diag_job_engine_smoke(tmp_path):
            "--clips", "12", "--contend", "1", "--cache", str(tmp_path), "--cache-limit-gb", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    line = re.search(r"qwen3_vl \(contend 1, nice 0, cache limit 1.0 GiB, clear each batch False\): ms per clip per batch: "
-                     r"(\[.*?\]); median", done.stdout)
+    line = re.search(r"qwen3_vl \(contend 1, nice 0, cache limit 1.0 GiB, clear each batch False\): "
+                     r"ms per clip per batch: (\[.*?\]); median", done.stdout)
     assert line, done.stdout[-2000:]
     per_batch = ast.literal_eval(line.group(1))
     assert len(per_batch) == 3 and all(ms > 0 for ms in per_batch)   # 12 clips in batches of 4 (clips_per_batch)
+    memory = re.search(r"per batch \(active GiB, MLX cache GiB, never-used KV blocks\): (\[.*?\]); memory limit",
+                       done.stdout)
+    assert memory and len(ast.literal_eval(memory.group(1))) == 3
     assert "Ordered by: cumulative time" in done.stdout and "classifier.py" in done.stdout
