@@ -83,14 +83,14 @@ class PagedAttention(nn.Module):
             qkv = None
             q, k, v = (proj(x).reshape(num_tokens, h, d) for proj, h in
                        ((inner.q_proj, hq), (inner.k_proj, hkv), (inner.v_proj, hkv)))
-        fused = active_fused_kernels().qk_norm_rope
-        if not hasattr(inner, "q_norm"):
-            q, k = rotate_qk(q, k, cos, sin, ctx.rope, stacked=qkv)
-        elif fused is not None and qkv is not None and qk_norm_rope_suits(qkv, d):   # one CUDA kernel
+        fused = fused_qk_norm_rope(inner, qkv)
+        if fused is not None:   # one CUDA kernel
             qk = fused(qkv, hq, hkv, inner.q_norm, inner.k_norm, cos2, sin2)
             q, k = qk[:, :hq], qk[:, hq:]
-        else:   # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
+        elif hasattr(inner, "q_norm"):   # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
             q, k = rotate_qk(inner.q_norm(q), inner.k_norm(k), cos, sin, ctx.rope)
+        else:
+            q, k = rotate_qk(q, k, cos, sin, ctx.rope, stacked=qkv)
         cache, layer = ctx.kv_cache, self.layer_index
         cache.k[layer], cache.v[layer] = write_kv(cache.k[layer], cache.v[layer], k, v, ctx.meta)
         # The new K/V go along: sequences with nothing cached attend to them directly (no gather from the cache).
@@ -107,6 +107,15 @@ def rotate_qk(q: mx.array, k: mx.array, cos: mx.array, sin: mx.array, tables: Ro
         qk = rope_heads(stacked, hq + hkv, cos, sin, tables)
         return qk[:, :hq], qk[:, hq:]
     return rope_heads(q, hq, cos, sin, tables), rope_heads(k, hkv, cos, sin, tables)
+
+
+def fused_qk_norm_rope(inner: nn.Module, qkv: mx.array | None) -> Callable[..., mx.array] | None:
+    """The active CUDA kernel for q/k norm + rotary where this attention module (mlx-vlm's) can use it: q/k
+    norms (Qwen3), q/k/v stacked (`qkv`, `[T, heads, D]`), and a dtype and head size the kernel takes; else None."""
+    fused = active_fused_kernels().qk_norm_rope
+    if fused is None or qkv is None or not hasattr(inner, "q_norm"):
+        return None
+    return fused if qk_norm_rope_suits(qkv.dtype, qkv.shape[-1]) else None
 
 
 def qk_norm_heads(language_model: nn.Module) -> tuple[int, int, int] | None:

@@ -82,9 +82,9 @@ def _qk_norm_rope_kernel():
                                output_names=["out"], source=_QK_NORM_ROPE)
 
 
-def qk_norm_rope_suits(qkv: mx.array, head_dim: int) -> bool:
+def qk_norm_rope_suits(dtype: mx.Dtype, head_dim: int) -> bool:
     """Half precision; a warp's 32 lanes split a head row evenly, the rotary halves on lanes 0-15 and 16-31."""
-    return qkv.dtype in HALF_DTYPES and head_dim % 64 == 0 and head_dim <= 256
+    return dtype in HALF_DTYPES and head_dim % 64 == 0 and head_dim <= 256
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ def select_fused_kernels(device: str, dtype: mx.Dtype, *, qk_heads: tuple[int, i
         return FusedKernels(reason=f"portable forms on {device}")
     if dtype not in HALF_DTYPES:
         return FusedKernels(reason=f"portable forms in {dtype}: the kernels are for half precision")
-    if not qk_norm_rope_suits(mx.zeros((1, 1, 1), dtype=dtype), qk_heads[2]):
+    if not qk_norm_rope_suits(dtype, qk_heads[2]):
         return FusedKernels(reason=f"portable forms for head size {qk_heads[2]} (the kernel takes multiples of 64)")
     try:
         kernel = qk_norm_rope_with(build_qk_norm_rope())

@@ -99,8 +99,7 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
     import mlx.core as mx
 
     from batchjob.engine import runner
-    from batchjob.engine.attention import AttentionContext, attention_context, rotate_qk
-    from batchjob.engine.cuda_fused import active, qk_norm_rope_suits
+    from batchjob.engine.attention import AttentionContext, attention_context, fused_qk_norm_rope, rotate_qk
     from batchjob.engine.fused_ops import pairs_suit, split_tables, swiglu_halves
     from batchjob.metal_backend import write_kv
 
@@ -131,8 +130,8 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
             steps["qkv_proj"] = time_(lambda: [attn.q_proj(xn), attn.k_proj(xn), attn.v_proj(xn)])
             q, k, v = (p(xn).reshape(t, h, d) for p, h in ((attn.q_proj, hq), (attn.k_proj, hkv), (attn.v_proj, hkv)))
             qkv = None
-        fused = active().qk_norm_rope
-        if hasattr(attn, "q_norm") and fused is not None and qkv is not None and qk_norm_rope_suits(qkv, d):
+        fused = fused_qk_norm_rope(attn, qkv)
+        if fused is not None:
             # the engine's CUDA kernel (cuda_fused): norms and rotary in one pass
             norm_rope = lambda: fused(qkv, hq, hkv, attn.q_norm, attn.k_norm, cos[0], sin[0])  # noqa: E731
             steps["qk_norm_rope"] = time_(norm_rope)

@@ -113,10 +113,9 @@ def test_only_cuda_in_half_precision_builds_and_a_failing_build_falls_back():
 
 
 def test_suits_half_precision_and_heads_the_warp_splits():
-    x = mx.zeros((3, 5, 128), dtype=mx.bfloat16)
-    assert qk_norm_rope_suits(x, 128) and qk_norm_rope_suits(x.astype(mx.float16), 64)
-    assert not qk_norm_rope_suits(x.astype(mx.float32), 128)
-    assert not qk_norm_rope_suits(x, 96) and not qk_norm_rope_suits(x, 512)
+    assert qk_norm_rope_suits(mx.bfloat16, 128) and qk_norm_rope_suits(mx.float16, 64)
+    assert not qk_norm_rope_suits(mx.float32, 128)
+    assert not qk_norm_rope_suits(mx.bfloat16, 96) and not qk_norm_rope_suits(mx.bfloat16, 512)
 
 
 def test_the_layer_sends_qwen3s_q_and_k_through_the_active_kernel(tiny_classifier, rng, make_clip, make_request,
@@ -138,7 +137,7 @@ def test_the_layer_sends_qwen3s_q_and_k_through_the_active_kernel(tiny_classifie
         return wrapped(qkv, *args)
 
     monkeypatch.setattr(cuda_fused, "_ACTIVE", FusedKernels(qk_norm_rope=counting, reason="test"))
-    monkeypatch.setattr(attention, "qk_norm_rope_suits", lambda qkv, d: True)   # the tiny model's head is 32 wide
+    monkeypatch.setattr(attention, "qk_norm_rope_suits", lambda dtype, d: True)   # the tiny model's head is 32 wide
     again = dataclasses.replace(clip, media_id=f"again-{uuid.uuid4().hex}")   # not served from the feature cache
     got = clf.classify([dataclasses.replace(request, clip=again)])[0]
     layers = len(clf.checkpoint.model.language_model.model.layers)
