@@ -157,6 +157,28 @@ def ensure_in_process_model(cache: Path, dims: dict, layers: int, vision_layers:
     return path
 
 
+def job_data(args) -> Dataset:
+    """The job's clips and questions as `args` asks (encoded once per cache)."""
+    shape = SMOKE_SHAPE if args.smoke else Shape()
+    specs = plan_clips(args.distinct, long_fraction=args.long_fraction, hevc_fraction=args.hevc_fraction,
+                       seed=args.seed, shape=shape)
+    return build_dataset(args.cache, specs, args.clips, args.questions, args.segment_s, args.workers, args.seed,
+                         shape.long_s)
+
+
+def checkpoint_pixels(args) -> int | None:
+    """The checkpoint's own processor default: Qwen2.5-VL's as before (the config's per-frame value), Qwen3-VL's as
+    published (None: the shipped config sets the job's whole-clip budget over it)."""
+    return None if MODELS[args.model].clip_budget else args.max_pixels
+
+
+def job_checkpoint(args, dtype: str) -> tuple[Path, float]:
+    """`ensure_checkpoint` for `args`' model, depth and size: (its path, seconds spent writing it)."""
+    dims = MODELS[args.model].dims(args.smoke or args.tiny_model)
+    return ensure_checkpoint(args.cache, dims, args.layers, args.vision_layers, checkpoint_pixels(args), dtype,
+                             args.model)
+
+
 def user_config(data: Dataset, checkpoint: Path, loader: str, out: Path, *, limit: int | None = None,
                 budget_gb: float | None = None, shipped: Path = SHIPPED_CONFIG) -> dict:
     """The model's shipped config (configs/nextqa.yaml, nextqa-qwen3vl.yaml) as shipped: only the paths, the loader
@@ -556,7 +578,6 @@ def main(argv=None) -> None:
         model, manifest, clips = args.baseline_worker
         return baseline_worker(model, manifest, int(clips), args)
     job_model = MODELS[args.model]
-    shape = SMOKE_SHAPE if args.smoke else Shape()
     dims = job_model.dims(args.smoke or args.tiny_model)
     gpu = shutil.which("nvidia-smi") is not None
     env = environment()
@@ -569,23 +590,15 @@ def main(argv=None) -> None:
           f"{args.long_fraction:.0%} long, {args.hevc_fraction:.0%} HEVC) x {args.questions} questions; model "
           f"{args.model} ({job_model.hub_id}'s shape, {job_model.config.name}) {args.layers}/{args.vision_layers} "
           f"layers {'built in process' if args.in_process_model else 'on disk'}", flush=True)
-    specs = plan_clips(args.distinct, long_fraction=args.long_fraction, hevc_fraction=args.hevc_fraction,
-                       seed=args.seed, shape=shape)
-    data = build_dataset(args.cache, specs, args.clips, args.questions, args.segment_s, args.workers, args.seed,
-                         shape.long_s)
+    data = job_data(args)
     report["dataset"] = data.info
     print(f"dataset: {data.info['clips']} clips, {data.info['rows']} rows, {data.info['encoded']} encoded in "
           f"{data.info['build_s']:.1f} s ({data.info['bytes_total'] / 2**20:.0f} MiB distinct)", flush=True)
-    # The checkpoint's own processor default: Qwen2.5-VL's as before (the config's per-frame value), Qwen3-VL's
-    # as published (the shipped config sets the job's whole-clip budget over it).
-    checkpoint_pixels = None if job_model.clip_budget else args.max_pixels
     if args.in_process_model:
         model, report["model_write_s"] = ensure_in_process_model(args.cache, dims, args.layers, args.vision_layers,
-                                                                 checkpoint_pixels, args.model), 0.0
+                                                                 checkpoint_pixels(args), args.model), 0.0
     else:
-        model, report["model_write_s"] = ensure_checkpoint(args.cache, dims, args.layers, args.vision_layers,
-                                                           checkpoint_pixels, "bfloat16" if gpu else "float32",
-                                                           args.model)
+        model, report["model_write_s"] = job_checkpoint(args, "bfloat16" if gpu else "float32")
         report["checkpoint_bytes"] = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         print(f"checkpoint: {model} ({report['checkpoint_bytes'] / 2**30:.1f} GiB, written in "
               f"{report['model_write_s']:.1f} s)", flush=True)

@@ -25,31 +25,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 GIB = 2**30
 
 
-def _decode(job):
-    from batchjob.contract import ClipMetadata
-    from batchjob.loaders import load_video
+_DECODER = None   # this process's decoder (`_start_decoder`)
+
+
+def _start_decoder(model_cfg, loader_cfg) -> None:
+    """The job's decoder, as its Ray actor holds it: the config's loader and the engine's input preparer."""
+    global _DECODER
+    from batchjob.pipeline.actors import Decoder
     from batchjob.pipeline.mlx_engine import MlxEngine
 
-    path, loader, num_frames, model_cfg = job
-    frames, meta = load_video(path, backend=loader, num_frames=num_frames)
-    metadata = ClipMetadata.from_loader(meta)
-    return metadata, MlxEngine.input_preparer(model_cfg)(frames, metadata), frames.shape
+    _DECODER = Decoder(loader_cfg.name, loader_cfg.num_frames, loader_cfg.kwargs, MlxEngine.input_preparer(model_cfg))
 
 
-def _burn(jobs, stop, nice: int) -> None:
+def _decode(path: str):
+    """(metadata, prepared input) of one clip, as the job's decoders send them to the engine."""
+    status, payload = _DECODER.decode(path)
+    if not status.ok:
+        raise RuntimeError(f"{path}: {status.error}")
+    return status.metadata, payload
+
+
+def _burn(paths: list[str], decoder_args: tuple, stop, nice: int) -> None:
     os.nice(nice)
+    _start_decoder(*decoder_args)
     while not stop.is_set():
-        for job in jobs:
+        for path in paths:
             if stop.is_set():
                 return
-            _decode(job)
+            _decode(path)
 
 
 @contextmanager
-def decoders_beside(jobs: list, n: int, nice: int):
-    """`n` processes decoding and preparing `jobs` in a loop while the block runs."""
+def decoders_beside(paths: list[str], decoder_args: tuple, n: int, nice: int):
+    """`n` processes decoding and preparing `paths` in a loop while the block runs."""
     stop = mp.Event()
-    procs = [mp.Process(target=_burn, args=(jobs[i::n], stop, nice), daemon=True) for i in range(n)]
+    procs = [mp.Process(target=_burn, args=(paths[i::n], decoder_args, stop, nice), daemon=True)
+             for i in range(n)]
     for p in procs:
         p.start()
     time.sleep(3 if n else 0)
@@ -62,8 +73,9 @@ def decoders_beside(jobs: list, n: int, nice: int):
 
 
 def job_inputs(a):
-    """The benchmark's dataset and checkpoint for `a.model` (built once per cache), the shipped config pointed at
-    them, and the first `a.clips` clips decoded and prepared: (config, decode jobs, questions per clip, inputs)."""
+    """The whole-job benchmark's dataset and checkpoint for `a.model` (built once per cache), its shipped config
+    pointed at them, and the first `a.clips` clips decoded and prepared by the job's decoder: (config, clip paths,
+    decoder arguments, questions per clip, {clip: (metadata, input)})."""
     import bench_pipeline_gpu as B
     from benchlib.job_models import MODELS
 
@@ -71,30 +83,22 @@ def job_inputs(a):
 
     args = B.parse_args(["--model", a.model, "--cache", str(a.cache), "--clips", str(max(a.clips, 64))]
                         + (["--smoke"] if a.smoke else []))
-    shape = B.SMOKE_SHAPE if a.smoke else B.Shape()
-    jm = MODELS[a.model]
-    specs = B.plan_clips(args.distinct, long_fraction=args.long_fraction, hevc_fraction=args.hevc_fraction,
-                         seed=args.seed, shape=shape)
-    data = B.build_dataset(args.cache, specs, args.clips, args.questions, args.segment_s, args.workers, args.seed,
-                           shape.long_s)
-    ckpt, _ = B.ensure_checkpoint(args.cache, jm.dims(a.smoke), args.layers, args.vision_layers,
-                                  None if jm.clip_budget else args.max_pixels, "float32" if a.smoke else "bfloat16",
-                                  a.model)
+    data = B.job_data(args)
+    ckpt, _ = B.job_checkpoint(args, "float32" if a.smoke else "bfloat16")
     cfg = JobConfig.model_validate(B.user_config(data, ckpt, "pyav_keyframes", Path("/tmp/diag-out"),
-                                                 shipped=jm.config))
+                                                 shipped=MODELS[a.model].config))
     questions: dict[str, list] = {}
     for line in data.manifest.read_text().splitlines():
         r = json.loads(line)
         questions.setdefault(r["video"], []).append(r)
     videos = list(questions)[:a.clips]
-    jobs = [(str(data.clips_dir / v), "pyav_keyframes", cfg.loader.num_frames, cfg.model) for v in videos]
+    paths, decoder_args = [str(data.clips_dir / v) for v in videos], (cfg.model, cfg.loader)
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(min(14, os.cpu_count() or 1)) as pool:
-        decoded = dict(zip(videos, pool.map(_decode, jobs)))
-    first = decoded[videos[0]]
-    print(f"decoded {len(decoded)} clips in {time.perf_counter() - t0:.1f} s; frames {first[2]}; grid "
-          f"{first[1].grid_thw}", flush=True)
-    return cfg, jobs, questions, decoded
+    with ProcessPoolExecutor(min(14, os.cpu_count() or 1), initializer=_start_decoder, initargs=decoder_args) as pool:
+        decoded = dict(zip(videos, pool.map(_decode, paths)))
+    print(f"decoded {len(decoded)} clips in {time.perf_counter() - t0:.1f} s; grid {decoded[videos[0]][1].grid_thw}",
+          flush=True)
+    return cfg, paths, decoder_args, questions, decoded
 
 
 def main() -> None:
@@ -109,7 +113,7 @@ def main() -> None:
     ap.add_argument("--clear-each-batch", action="store_true", help="mx.clear_cache() after every batch")
     ap.add_argument("--smoke", action="store_true", help="tiny clips and model: checks the script on a CPU")
     a = ap.parse_args()
-    cfg, jobs, questions, decoded = job_inputs(a)
+    cfg, paths, decoder_args, questions, decoded = job_inputs(a)
     import mlx.core as mx
 
     from batchjob.contract import ClipJob, EngineClip, Question
@@ -121,7 +125,7 @@ def main() -> None:
     def batches(tag: str) -> list:   # a fresh media id per pass: nothing cached from an earlier one
         clips = [EngineClip(ClipJob(v, f"{v}#{tag}", tuple(Question(r["id"], r["question"], tuple(r["options"]))
                                                           for r in questions[v])), meta, payload)
-                 for v, (meta, payload, _) in decoded.items()]
+                 for v, (meta, payload) in decoded.items()]
         return [clips[i:i + cpb] for i in range(0, len(clips), cpb)]
 
     for b in batches("warm")[:2]:
@@ -129,7 +133,7 @@ def main() -> None:
     if a.cache_limit_gb is not None:
         mx.set_cache_limit(int(a.cache_limit_gb * GIB))
     ms, memory = [], []
-    with decoders_beside(jobs, a.contend, a.contend_nice):
+    with decoders_beside(paths, decoder_args, a.contend, a.contend_nice):
         for b in batches("timed"):
             t = time.perf_counter()
             engine.answer(b)
