@@ -56,6 +56,10 @@ SLIM_TOOL = ROOT.parent / "shared" / "tools" / "slim_mlx_cuda.py"
 # in one call with the checkout.
 MLX_VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 DROP_SUFFIXES = (".pyi", ".pxd", ".pyx", ".pyc", ".h", ".hpp", ".cpp", ".c", ".cu", ".java")
+# Native libraries the GPU machine never calls, replaced by a stub of the same name and symbols so that PyAV
+# still loads: SVT-AV1 is an AV1 *encoder*; only the CPU tests' synthetic AV1 clips use it, the benchmarks
+# encode H.264 and HEVC. Its room is what lets both archives travel with the checkout in one call.
+STUBBED_LIBS = ("libSvtAv1Enc",)
 
 
 def download(wheels_dir: Path, python_version: str, wanted: tuple[str, ...] = WHEELS) -> list[Path]:
@@ -124,6 +128,28 @@ def slim(site: Path, keep_headers: bool = False) -> None:
             subprocess.run(["strip", "--strip-unneeded", str(path)], check=True)
 
 
+def stub_unused_libraries(site: Path, prefixes: tuple[str, ...] = STUBBED_LIBS) -> list[str]:
+    """Replace each library named by `prefixes` with a stub exporting the same symbols (each returns -1, an
+    error code to its caller) under the same soname, so the libraries that link it still load; returns what
+    was replaced (nothing where no C compiler is at hand: the real library stays)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    replaced = []
+    for lib in sorted(p for p in site.rglob("*.so*") if p.name.startswith(prefixes) and not p.is_symlink()):
+        if cc is None:
+            print(f"gpu_stage: no C compiler, {lib.name} stays as it is")
+            continue
+        nm = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True)
+        symbols = sorted({line.split()[-1] for line in nm.stdout.splitlines()
+                          if len(line.split()) == 3 and line.split()[1] == "T"})
+        source = lib.with_suffix(".stub.c")
+        source.write_text("".join(f"int {name}(void) {{ return -1; }}\n" for name in symbols))
+        subprocess.run([cc, "-shared", "-fPIC", "-O1", f"-Wl,-soname,{lib.name}", "-o", str(lib), str(source)],
+                       check=True)
+        source.unlink()
+        replaced.append(f"{lib.name} ({len(symbols)} symbols)")
+    return replaced
+
+
 def carried_bytes(exclude: Path) -> tuple[int, list[tuple[Path, int]]]:
     """The checkout's tracked files plus every other archive under .gpu/ (what one call would carry)."""
     files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True).stdout
@@ -156,6 +182,8 @@ def main() -> None:
         slim_mlx(site, args.sm)
         drop_other_families(site)
     slim(site, keep_headers=args.what == "mlx")
+    for stub in stub_unused_libraries(site):
+        print(f"  stubbed {stub}")
     after = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
     if args.site_only:
         print(f"{len(wheels)} wheels for {tag}: installed {before / 2**20:.0f} MiB, slimmed {after / 2**20:.0f} MiB "
