@@ -77,16 +77,17 @@ def job_inputs(a):
     pointed at them, and the first `a.clips` clips decoded and prepared by the job's decoder: (config, clip paths,
     decoder arguments, questions per clip, {clip: (metadata, input)})."""
     import bench_pipeline_gpu as B
+    from benchlib.job_inputs import job_checkpoint, job_data, user_config
     from benchlib.job_models import MODELS
 
     from batchjob.config import JobConfig
 
     args = B.parse_args(["--model", a.model, "--cache", str(a.cache), "--clips", str(max(a.clips, 64))]
                         + (["--smoke"] if a.smoke else []))
-    data = B.job_data(args)
-    ckpt, _ = B.job_checkpoint(args, "float32" if a.smoke else "bfloat16")
-    cfg = JobConfig.model_validate(B.user_config(data, ckpt, "pyav_keyframes", Path("/tmp/diag-out"),
-                                                 shipped=MODELS[a.model].config))
+    data = job_data(args)
+    ckpt, _ = job_checkpoint(args, "float32" if a.smoke else "bfloat16")
+    cfg = JobConfig.model_validate(user_config(data, ckpt, "pyav_keyframes", Path("/tmp/diag-out"),
+                                               shipped=MODELS[a.model].config))
     questions: dict[str, list] = {}
     for line in data.manifest.read_text().splitlines():
         r = json.loads(line)

@@ -1,7 +1,7 @@
-"""scripts/bench_pipeline_gpu.py and its clips (scripts/benchlib/clips.py): the clip plan, the clips, the figures,
-the user's path (the shipped config with only paths, loader and size changed; a checkpoint written to disk), the
-random 7B-shaped engine, and the whole script in --smoke mode (it runs on the GPU machine once, so it must work the
-first time)."""
+"""scripts/bench_pipeline_gpu.py and its benchlib modules (clips, job_inputs, job_runs, job_report, disk): the clip
+plan, the clips, the figures, the user's path (the shipped config with only paths, loader and size changed; a
+checkpoint written to disk), the random 7B-shaped engine, and the whole script in --smoke mode (it runs on the GPU
+machine once, so it must work the first time)."""
 from __future__ import annotations
 
 import importlib.util
@@ -29,7 +29,11 @@ def _load_script():
 
 bench = _load_script()
 import benchlib.clips as clips  # noqa: E402  (importable once the script put scripts/ on sys.path)
+import benchlib.disk as disk  # noqa: E402
+import benchlib.job_inputs as job_inputs  # noqa: E402
 import benchlib.job_models as job_models  # noqa: E402
+import benchlib.job_report as job_report  # noqa: E402
+import benchlib.job_runs as job_runs  # noqa: E402
 
 
 @pytest.mark.parametrize("count,long_fraction,hevc_fraction,seed", [(48, 0.25, 0.25, 0), (37, 0.3, 0.1, 5),
@@ -98,13 +102,13 @@ MAIN_STATS = {"total_rows": 30, "skipped_rows": 0, "done_rows": 30, "error_rows"
 
 
 def test_summary_of_a_run_from_todays_stats_keys():
-    got = bench.summarize_run(MAIN_STATS, wall_s=25.0, job_clips=10)
+    got = job_runs.summarize_run(MAIN_STATS, wall_s=25.0, job_clips=10)
     assert got["rows_per_s"] == pytest.approx(30 / 25) and got["rows_per_s_streaming"] == pytest.approx(3.0)
     assert got["rows_per_s_vs_streaming"] == pytest.approx(0.4)
     assert got["startup_s"] == pytest.approx(15.0)             # no breakdown: wall minus streaming
     steps = {"launch": 0.5, "preflight": 0.1, "ray_start": 2.0, "engine_load": 6.0, "first_answer": 0.4}
-    timed = bench.summarize_run({**MAIN_STATS, "startup": {"total_s": 9.0, "steps": steps, "engine_load": {}}},
-                                wall_s=25.0, job_clips=10)
+    timed = job_runs.summarize_run({**MAIN_STATS, "startup": {"total_s": 9.0, "steps": steps, "engine_load": {}}},
+                                   wall_s=25.0, job_clips=10)
     assert timed["startup_s"] == 9.0 and timed["load_s"] == 6.0 and timed["startup_steps"] == steps
     assert got["gpu_busy"] == pytest.approx(0.8)               # engine busy over the streaming phase
     assert got["decode_ms_per_clip"] == pytest.approx(1600) and got["engine_ms_per_clip"] == pytest.approx(800)
@@ -115,7 +119,7 @@ def test_summary_of_a_run_from_todays_stats_keys():
 def test_summary_reads_the_pipelines_new_figures_but_costs_clips_by_their_mean():
     stats = {**MAIN_STATS, "gpu_busy": 0.93, "decode_ms_per_clip": 120.0, "engine_ms_per_clip": 400.0,
              "bound_by": "engine", "engines": 2, "peak_rss_mb": 5000.0, "queue_depth": {"min": 0, "median": 3, "max": 6}}
-    got = bench.summarize_run(stats, wall_s=25.0, job_clips=10)
+    got = job_runs.summarize_run(stats, wall_s=25.0, job_clips=10)
     assert got["gpu_busy"] == 0.93 and got["bound_by"] == "engine"
     assert got["peak_rss_mb"] == 5000.0 and got["queue_depth"]["max"] == 6
     # Medians (the pipeline's) are reported; throughput needs means: a few long clips dominate the decode cost.
@@ -129,13 +133,13 @@ def test_figures_have_stable_keys_and_ratios_and_survive_a_failed_method():
                 "cores_per_gpu": 1.5, "decode_ms_per_clip": 100.0, "peak_host_mb_sampled": 900.0, "gpu_util_mean": None}
     methods = {"pyav_keyframes": run(6.0, 0.9), "opencv": run(2.0, 0.3), "pyav_adaptive": {"error": "exit 1"},
                "baseline": run(1.5, 0.2)}
-    fig = bench.figures(methods)
+    fig = job_report.figures(methods)
     for key in ("keyframes_vs_opencv", "keyframes_vs_baseline", "gpu_busy", "overlap", "rows_per_s", "cores_per_gpu"):
         assert key in fig
     assert fig["keyframes_vs_opencv"] == pytest.approx(3.0) and fig["keyframes_vs_baseline"] == pytest.approx(4.0)
     assert fig["adaptive_vs_opencv"] is None and fig["rows_per_s"]["pyav_adaptive"] is None
     assert fig["gpu_busy"] == {"pyav_keyframes": 0.9, "opencv": 0.3, "pyav_adaptive": None, "baseline": 0.2}
-    text = bench.table(methods)
+    text = job_report.table(methods)
     assert "| pyav_adaptive | failed: exit 1 |" in text and "3.00x" in text
     assert "keyframes_vs_opencv (keyframes) 3.00: meets >= 2" in text
     assert "gpu_busy (keyframes) 0.90: meets >= 0.85" in text
@@ -164,7 +168,7 @@ def test_each_model_follows_its_published_checkpoint_and_shipped_config():
         smoke = bench.parse_args(["--model", model, "--smoke"])
         assert (smoke.layers, smoke.vision_layers, smoke.max_pixels) == (2, 4, pixels)
         assert bench.parse_args(["--model", model, "--layers", "4"]).layers == 4
-        path = bench.results_path(Path("/r"), {"gpu": "NVIDIA H100 80GB HBM3"}, False, model)
+        path = job_report.results_path(Path("/r"), {"gpu": "NVIDIA H100 80GB HBM3"}, False, model)
         assert path.name.startswith(f"pipeline-{model}-NVIDIA-H100-80GB-HBM3-")
     with pytest.raises(SystemExit):
         bench.parse_args(["--model", "qwen3_vl_moe"])
@@ -185,12 +189,13 @@ def test_user_config_is_the_shipped_config_with_paths_loader_and_size_changed(tm
 
     from batchjob.config import parse_config
 
-    data = bench.Dataset(tmp_path / "job", tmp_path / "job" / "nextqa_mc.parquet", tmp_path / "job" / "m.jsonl", {})
+    data = job_inputs.Dataset(tmp_path / "job", tmp_path / "job" / "nextqa_mc.parquet", tmp_path / "job" / "m.jsonl",
+                              {})
     config = job_models.MODELS[model].config
     shipped = yaml.safe_load(config.read_text())
     for loader, limit, budget in (("opencv", None, None), ("pyav_keyframes", 30, 60.0)):
-        cfg = bench.user_config(data, tmp_path / "ckpt", loader, tmp_path / "out", limit=limit, budget_gb=budget,
-                                shipped=config)
+        cfg = job_inputs.user_config(data, tmp_path / "ckpt", loader, tmp_path / "out", limit=limit,
+                                     budget_gb=budget, shipped=config)
         changed = {(section, key) for section in shipped for key in (shipped[section] or {})
                    if isinstance(shipped[section], dict) and cfg[section][key] != shipped[section][key]}
         allowed = {("dataset", "annotation"), ("dataset", "video_root"), ("dataset", "limit"), ("model", "checkpoint"),
@@ -208,7 +213,8 @@ def test_dataset_in_nextqa_format_reads_back_through_the_shipped_adapter(tmp_pat
     from batchjob.datasets import load_rows
 
     specs = clips.plan_clips(2, long_fraction=0.5, hevc_fraction=0.5, seed=1, shape=clips.SMOKE_SHAPE)
-    data = bench.build_dataset(tmp_path, specs, clips=5, questions=2, segment_s=2.0, workers=1, seed=1, long_s=12.0)
+    data = job_inputs.build_dataset(tmp_path, specs, clips=5, questions=2, segment_s=2.0, workers=1, seed=1,
+                                    long_s=12.0)
     rows = load_rows(DatasetConfig(adapter="nextqa", annotation=str(data.annotation), video_root=str(data.clips_dir)))
     manifest = load_rows(DatasetConfig(adapter="manifest", annotation=str(data.manifest), video_root=str(data.clips_dir)))
     assert len(rows) == len(manifest) == 10 and data.info["rows"] == 10
@@ -223,8 +229,8 @@ def test_random_engine_builds_the_configured_shape_and_answers(tmp_path):
     from batchjob.config import ModelConfig, PromptConfig
     from batchjob.synthetic.random_engine import SMOKE, RandomWeightsEngine
 
-    path = bench.ensure_in_process_model(tmp_path, SMOKE, layers=3, vision_layers=2, max_pixels=28 * 28 * 16)
-    model_cfg = ModelConfig(checkpoint=str(path), engine=bench.IN_PROCESS_ENGINE, device="cpu", dtype="float32")
+    path = job_inputs.ensure_in_process_model(tmp_path, SMOKE, layers=3, vision_layers=2, max_pixels=28 * 28 * 16)
+    model_cfg = ModelConfig(checkpoint=str(path), engine=job_inputs.IN_PROCESS_ENGINE, device="cpu", dtype="float32")
     engine = RandomWeightsEngine.load(model_cfg, PromptConfig())
     params = dict(tree_flatten(engine._clf.checkpoint.model.parameters()))
     layers = {k.split(".")[3] for k in params if k.startswith("language_model.model.layers.")}
@@ -259,9 +265,9 @@ def test_random_checkpoint_on_disk_loads_as_a_downloaded_one(tmp_path):
     from batchjob.engine import Classifier, EngineConfig
     from batchjob.synthetic.random_engine import SMOKE
 
-    path, spent = bench.ensure_checkpoint(tmp_path, SMOKE, 2, 3, 28 * 28 * 16, "float32")
+    path, spent = job_inputs.ensure_checkpoint(tmp_path, SMOKE, 2, 3, 28 * 28 * 16, "float32")
     assert spent > 0 and (path / "config.json").is_file() and list(path.glob("*.safetensors"))
-    assert bench.ensure_checkpoint(tmp_path, SMOKE, 2, 3, 28 * 28 * 16, "float32") == (path, 0.0)
+    assert job_inputs.ensure_checkpoint(tmp_path, SMOKE, 2, 3, 28 * 28 * 16, "float32") == (path, 0.0)
     clf = Classifier.from_pretrained(path, EngineConfig(max_pixels=28 * 28 * 16))
     params = dict(tree_flatten(clf.checkpoint.model.parameters()))
     [gate_up] = [v for k, v in params.items() if k.startswith("language_model.model.layers.1.mlp.")
@@ -281,7 +287,7 @@ def test_random_qwen3_checkpoint_on_disk_is_a_qwen3_vl_checkpoint_the_engine_loa
     from batchjob.engine import Classifier, ClassifyRequest, Clip, EngineConfig
     from batchjob.synthetic.random_engine import QWEN3_VL_PROCESSOR, SMOKE_QWEN3
 
-    path, spent = bench.ensure_checkpoint(tmp_path, SMOKE_QWEN3, 3, 2, None, "float32", "qwen3_vl")
+    path, spent = job_inputs.ensure_checkpoint(tmp_path, SMOKE_QWEN3, 3, 2, None, "float32", "qwen3_vl")
     assert spent > 0 and path.name == "checkpoint-qwen3_vl-h256-L3-V2-phub-float32"
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == "qwen3_vl" and "hidden_size" not in config
@@ -312,7 +318,7 @@ def test_evicting_the_checkpoint_from_the_page_cache_names_its_bytes(tmp_path):
     (tmp_path / "a").write_bytes(b"x" * 5000)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b").write_bytes(b"y" * 300)
-    assert bench.evict_from_page_cache(tmp_path) == 5300 and bench.count_files(tmp_path) == 2
+    assert disk.evict_from_page_cache(tmp_path) == 5300 and disk.count_files(tmp_path) == 2
 
 
 @pytest.mark.ray
@@ -320,7 +326,7 @@ def test_evicting_the_checkpoint_from_the_page_cache_names_its_bytes(tmp_path):
 @pytest.mark.parametrize("model", sorted(job_models.MODELS))
 def test_smoke_run_end_to_end(tmp_path, monkeypatch, model):
     """The whole script as the GPU run calls it, tiny: every method runs and the results file has figures."""
-    monkeypatch.setattr(bench, "KERNEL_CACHE", tmp_path / "kernels")   # first_run empties it
+    monkeypatch.setattr(job_runs, "KERNEL_CACHE", tmp_path / "kernels")   # first_run empties it
     out = tmp_path / "out"
     common = ["--model", model, "--smoke", "--clips", "3", "--distinct", "3", "--long-fraction", "0.5", "--hevc-fraction", "0.5",
               "--questions", "2", "--baseline-clips", "2", "--first-run-clips", "2", "--workers", "2",
