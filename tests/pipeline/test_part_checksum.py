@@ -38,7 +38,7 @@ def footer_start(blob: bytes) -> int:
     return len(blob) - 8 - int.from_bytes(blob[-8:-4], "little")
 
 
-def test_every_damaged_page_byte_is_found(tmp_path, rng=random.Random()):
+def test_every_damaged_page_byte_is_found(tmp_path, rng):
     table = random_rows(rng, rng.randint(3, 40))
     part = tmp_path / "part-00000.parquet"
     write_part(part, table)
@@ -59,7 +59,7 @@ def test_every_damaged_page_byte_is_found(tmp_path, rng=random.Random()):
     assert not missed, f"damaged bytes read back as data at offsets {missed[:10]} of {end} page bytes"
 
 
-def test_runs_of_garbled_bytes_are_found(tmp_path, rng=random.Random()):
+def test_runs_of_garbled_bytes_are_found(tmp_path, rng):
     part = tmp_path / "part-00001.parquet"
     write_part(part, random_rows(rng, 20))
     blob = part.read_bytes()
@@ -74,7 +74,7 @@ def test_runs_of_garbled_bytes_are_found(tmp_path, rng=random.Random()):
             read_part(part)
 
 
-def test_rewriting_a_part_replaces_its_crc(tmp_path, rng=random.Random()):
+def test_rewriting_a_part_replaces_its_crc(tmp_path, rng):
     """rewrite_parts hands write_part the old part's metadata, CRC included: the new part must carry its own."""
     part = tmp_path / "part-00002.parquet"
     write_part(part, random_rows(rng, 5))
@@ -84,14 +84,14 @@ def test_rewriting_a_part_replaces_its_crc(tmp_path, rng=random.Random()):
     assert read_part(part).num_rows == 7
 
 
-def test_parts_written_before_the_crc_still_read(tmp_path, rng=random.Random()):
+def test_parts_written_before_the_crc_still_read(tmp_path, rng):
     table = random_rows(rng, 6)
     part = tmp_path / "part-00003.parquet"
     pq.write_table(table, part, write_page_checksum=True)
     assert read_part(part).equals(table.cast(SCHEMA))
 
 
-def test_a_part_re_encoded_by_another_writer_is_not_called_damaged(tmp_path, rng=random.Random()):
+def test_a_part_re_encoded_by_another_writer_is_not_called_damaged(tmp_path, rng):
     """pyarrow copies the schema's metadata, our CRC included, into a file it re-encodes (a user editing rows):
     its pages have another length, and the stale CRC must not turn the edit into damage."""
     part = tmp_path / "part-00004.parquet"
@@ -104,7 +104,7 @@ def test_a_part_re_encoded_by_another_writer_is_not_called_damaged(tmp_path, rng
     assert read_part(part).to_pylist() == pa.Table.from_pylist(edited, schema=SCHEMA).to_pylist()
 
 
-def test_a_damaged_crc_value_is_damage(tmp_path, rng=random.Random()):
+def test_a_damaged_crc_value_is_damage(tmp_path, rng):
     part = tmp_path / "part-00005.parquet"
     write_part(part, random_rows(rng, 4))
     blob = bytearray(part.read_bytes())
