@@ -103,7 +103,7 @@ def open_video(source: Source, label: str) -> Iterator[tuple[av.container.InputC
     """Open `source` and its first video stream; refuse stills, text and audio-only media clearly."""
     arg = _as_avopen_arg(source, label)
     try:
-        container = av.open(arg, mode="r")
+        container = av.open(arg, mode="r", metadata_errors="replace")   # tags are not ours to refuse a clip over
     except av.FileNotFoundError as err:
         raise VideoNotFound(label, f"cannot open it ({err})") from err
     except (av.FFmpegError, OSError) as err:

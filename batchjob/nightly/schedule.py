@@ -101,9 +101,10 @@ def on_calendar(expr: str) -> list[str]:
     time = f"{_field(s, 'hour')}:{_field(s, 'minute')}:00"
     month, day = _field(s, "month"), _field(s, "day")
     dow = ",".join(WEEKDAYS[w] for w in sorted(s.weekday)) if s.restricted("weekday") else ""
+    weekdays = dow + " " if dow else ""     # every weekday (a day field ORed with `0-6`): no weekday part
     if s.day_or:
-        return [f"*-{month}-{day} {time}", f"{dow} *-{month}-* {time}"]
-    return [f"{dow + ' ' if dow else ''}*-{month}-{day} {time}"]
+        return [f"*-{month}-{day} {time}", f"{weekdays}*-{month}-* {time}"]
+    return [f"{weekdays}*-{month}-{day} {time}"]
 
 
 def _systemd_quote(arg: str) -> str:

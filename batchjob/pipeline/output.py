@@ -198,14 +198,29 @@ def read_part(path: Path, columns: list[str] | None = None) -> pa.Table:
         blob = path.read_bytes()
         body = _body(blob)
         file = pq.ParquetFile(pa.BufferReader(blob), page_checksum_verification=True)
+        renamed = _renamed_columns(file.schema_arrow.names)
         table = read_conformed(file, SCHEMA)
         stored = (file.metadata.metadata or {}).get(BODY_CRC_KEY)   # the footer's own (the footer parsed once)
     except (pa.ArrowException, OSError, ValueError, EOFError) as err:
         raise PartUnreadable(DamagedPart(path, _reason(err))) from None
+    if renamed:
+        raise PartUnreadable(DamagedPart(path, renamed))
     if stored is not None and _stale(stored, body):
         raise PartUnreadable(DamagedPart(path, f"CRC-32 of its pages is {_body_crc(body).decode()} (CRC:bytes), "
                                                f"written as {stored.decode(errors='replace')}"))
     return table.select(columns) if columns else table
+
+
+def _renamed_columns(names: list[str]) -> str | None:
+    """Why a part whose footer names a column no batchjob version writes, in place of one it lacks, is damaged:
+    the footer carries no checksum, and a flipped byte in a column's name would otherwise read that column back as
+    nulls (a column an older part lacks is read as nulls too). An added column alone is left to whoever added it."""
+    unknown = sorted(set(names) - set(SCHEMA.names))
+    missing = [n for n in SCHEMA.names if n not in names]
+    if unknown and missing:
+        return (f"its footer names column(s) {', '.join(map(repr, unknown))} where {', '.join(map(repr, missing))} "
+                "belong(s): the footer is damaged")
+    return None
 
 
 def read_conformed(file: pq.ParquetFile, schema: pa.Schema) -> pa.Table:

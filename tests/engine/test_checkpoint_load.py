@@ -36,14 +36,14 @@ def shard(src, dst, parts: int, rng: random.Random) -> list[str]:
 @pytest.mark.parametrize("name", ["qwen2_5_vl-gqa", "qwen3_vl"])
 @pytest.mark.parametrize("parts", [1, 3])
 def test_each_file_read_once_and_the_model_matches_mlx_vlms_loader(tmp_path, checkpoint_dir, monkeypatch, name, parts,
-                                                                  rng=random.Random()):
+                                                                  rng):
     from mlx_vlm.utils import load_model
 
     from batchjob.engine.families import family_for
 
     path = ckpt.Path(checkpoint_dir(name))
     if parts > 1:
-        files = shard(path, tmp_path / "sharded", parts, rng)
+        files = shard(path, tmp_path / "sharded", parts, random.Random(int(rng.integers(2**32))))
         path = tmp_path / "sharded"
     else:
         files = [str(path / "model.safetensors")]

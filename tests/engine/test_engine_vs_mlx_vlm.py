@@ -73,7 +73,7 @@ def _reference_logprobs(model, clf, request) -> np.ndarray:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("attention", ["cpu", "gpu_settings"])
 def test_engine_answers_like_mlx_vlm_forward(name, attention, checkpoint_dir, specs, rng, make_clip, make_request,
-                                            monkeypatch):
+                                            monkeypatch, check_choice):
     from batchjob.metal_backend import attention_plan
 
     # Clips long next to their questions, as real ones are (so followers fold), within a few seconds of CPU.
@@ -100,7 +100,7 @@ def test_engine_answers_like_mlx_vlm_forward(name, attention, checkpoint_dir, sp
         err = float(np.abs(np.array(result.logprobs) - want).max())
         worst = max(worst, err)
         assert err <= 1e-5, (name, attention, request.request_id, err)
-        assert result.choice == int(np.argmax(want))
+        check_choice(result, want, (name, attention, request.request_id))
     spread = max(float(np.ptp(r.logprobs)) for r in results)
     assert spread > 1e-2, f"option log-probs nearly uniform (spread {spread}); the check would be weak"
     print(f"{name} {attention}: worst |dlogprob| vs mlx-vlm = {worst:.2e}")

@@ -160,7 +160,7 @@ def _assert_runs_the_stored_layers(clf, path: Path, bits: int, vision: bool) -> 
                                                          Quantization(bits, vision=vision), itemsize, engine=True)
 
 
-def _compare_with_mlx_vlm(clf, reference, requests, monkeypatch, tolerance: float):
+def _compare_with_mlx_vlm(clf, reference, requests, monkeypatch, tolerance: float, check_choice):
     """Engine results vs mlx-vlm's forward per request: whole-vocabulary logits and option log-probs within
     `tolerance`, the same choice. Returns (results, max |d logprob|, max |d logit|)."""
     results, logits = _classify_with_logits(clf, requests, monkeypatch)
@@ -172,7 +172,7 @@ def _compare_with_mlx_vlm(clf, reference, requests, monkeypatch, tolerance: floa
         np.testing.assert_allclose(logits[i], expected, rtol=0, atol=tolerance, err_msg=f"r{i}")
         option_logprobs = _log_softmax(expected[clf.prompts.option_token_ids(len(request.options))])
         np.testing.assert_allclose(result.logprobs, option_logprobs, rtol=0, atol=tolerance, err_msg=f"r{i}")
-        assert result.choice == int(np.argmax(option_logprobs))
+        check_choice(result, option_logprobs, f"r{i}")
         worst_logprob = max(worst_logprob, float(np.abs(np.array(result.logprobs) - option_logprobs).max()))
         worst_logit = max(worst_logit, float(np.abs(logits[i] - expected).max()))
     spread = max(float(np.ptp(r.logprobs)) for r in results)
@@ -187,14 +187,14 @@ def _requests(rng, make_clip, make_request, name: str):
 
 @pytest.mark.parametrize("family,bits,vision", CASES, ids=IDS)
 def test_engine_matches_mlx_vlm_on_the_same_quantized_weights(family, bits, vision, checkpoints, rng, make_clip,
-                                                               make_request, monkeypatch):
+                                                               make_request, monkeypatch, check_choice):
     path = checkpoints(family, bits, vision)
     config = EngineConfig(max_model_len=4096, memory_budget_gb=1.0)   # float32 on this CPU
     clf = Classifier.from_pretrained(path, config)
     _assert_runs_the_stored_layers(clf, path, bits, vision)
     requests = _requests(rng, make_clip, make_request, path.name)
     results, worst_logprob, worst_logit = _compare_with_mlx_vlm(clf, _mlx_vlm_reference(path, mx.float32), requests,
-                                                                monkeypatch, TOLERANCE)
+                                                                monkeypatch, TOLERANCE, check_choice)
 
     # The quantization is visible: the unquantized source checkpoint answers measurably differently, so a
     # quantized checkpoint silently loaded as something else could not pass the comparison above.

@@ -11,10 +11,9 @@ from batchjob.synthetic.scenes import questions_for, random_scene
 
 
 @pytest.mark.parametrize("order", [True, False, None])
-def test_random_scene_keeps_its_order_promise(order):
+def test_random_scene_keeps_its_order_promise(order, rng):
     """`order=True`: two or more movers (an order question); `False`: one mover; None: either. Many draws retry
     a placement (shapes overlapping), so a retry must keep the caller's request."""
-    rng = np.random.default_rng(int.from_bytes(np.random.bytes(4), "little"))
     movers, shapes = [], []
     for _ in range(300):
         scene = random_scene(rng, order=order)
@@ -31,14 +30,14 @@ def test_random_scene_keeps_its_order_promise(order):
         assert movers.min() == 1 and movers.max() >= 2
 
 
-def test_a_cached_clips_name_changes_with_what_it_shows(tmp_path):
+def test_a_cached_clips_name_changes_with_what_it_shows(tmp_path, rng):
     """Cached demo and benchmark clips are named by `clip_digest`: the same scene and encoding give the same name
     (the cache is reused), another scene or encoding another name (an old video is never paired with new answers,
     as a seed-only name did once the scenes' drawing changed)."""
     from batchjob.demo import build_scene_clips
     from batchjob.synthetic.scenes import clip_digest
 
-    seed = int.from_bytes(np.random.bytes(4), "little")
+    seed = int(rng.integers(2**32))
     a, b = (random_scene(np.random.default_rng(seed)) for _ in range(2))
     assert a == b and clip_digest(a, 2.0, 10) == clip_digest(b, 2.0, 10)
     moved = dataclasses.replace(a, shapes=(dataclasses.replace(a.shapes[0], travel=a.shapes[0].travel * 0.9),
@@ -63,30 +62,31 @@ def _ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("motion", ["wrap", "span"])
 def test_one_frame_tells_a_wrapping_movers_direction_nothing(motion):
     """Where the biggest shape stands in any one frame is distributed alike whatever its direction under "wrap"
-    (two-sample KS test at level 1e-4 per instant, fresh seed), and gives the direction away under "span" (the
-    test can tell)."""
+    (two-sample KS test at level 1e-6 per statistic, fresh seed: 8 statistics at 1e-4 raised a false alarm about
+    once in 1,250 runs), and gives the direction away under "span" (the test can tell: its statistic stands about
+    7 times over the bound)."""
     from batchjob.synthetic.scenes import DIRECTIONS
 
-    rng = np.random.default_rng(int.from_bytes(np.random.bytes(4), "little"))
+    seed = int.from_bytes(np.random.bytes(4), "little")
+    rng = np.random.default_rng(seed)
     scenes = [random_scene(rng, 256 / 144, order=[None, True, False][i % 3], motion=motion) for i in range(1500)]
     worst = 0.0
     for u in (0.0, 0.3, 0.7, 1.0):
         xy = {d: np.array([s.shapes[0].centre(u) for s in scenes if s.shapes[0].direction == d]) for d in DIRECTIONS}
         left, right = xy["left"], xy["right"]
-        bound = np.sqrt(-np.log(1e-4 / 2) / 2) * np.sqrt((len(left) + len(right)) / (len(left) * len(right)))
+        bound = np.sqrt(-np.log(1e-6 / 2) / 2) * np.sqrt((len(left) + len(right)) / (len(left) * len(right)))
         for axis in (0, 1):
             worst = max(worst, _ks_statistic(left[:, axis], right[:, axis]) / bound)
-    assert (worst < 1) == (motion == "wrap"), worst
+    assert (worst < 1) == (motion == "wrap"), (worst, seed)
 
 
-def test_a_wrapping_mover_goes_the_shorter_way_between_uniform_frames():
+def test_a_wrapping_mover_goes_the_shorter_way_between_uniform_frames(rng):
     """Between two adjacent of 8 uniformly sampled frames (clips of 2-6 s at 10 fps), every mover's centre moves
     the way it is said to go, the shorter way round its loop, by under half the loop; it stays whole (never
     drawn on both edges at once) and the shapes' pixels never touch."""
     from batchjob.loaders.picks import uniform_targets
     from batchjob.synthetic.scenes import DIRECTIONS, PALETTE, background, render
 
-    rng = np.random.default_rng(int.from_bytes(np.random.bytes(4), "little"))
     moved = 0
     for i in range(300):
         scene = random_scene(rng, 256 / 144, order=bool(i % 2), motion="wrap")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import signal
 
 import av
@@ -127,6 +128,51 @@ def test_bad_bytes_raise_loader_error(bad, loader, case):
     with pytest.raises(kind) as info:
         load_video(data, backend=loader, num_frames=8)
     assert f"{len(data)} bytes" in str(info.value)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_random_bytes_raise_loader_error(tmp_path, loader, rng):
+    """Fresh random files of random sizes: each is refused with a LoaderError, never another exception (FFmpeg
+    probes some as subtitles or audio whose tags are not UTF-8: PyAV raised UnicodeDecodeError on those). About
+    1 in 40,000 is a decodable raw H.263 picture (random.Random(139514).randbytes(20000)): a well-formed clip
+    is then a right answer too."""
+    path = tmp_path / "random.mp4"
+    for _ in range(40):
+        seed = rng.randrange(2**32)
+        blob = random.Random(seed).randbytes(rng.choice([64, 1000, 5000, 20000]))
+        path.write_bytes(blob)
+        for source in (str(path), blob):
+            drawn = f"random.Random({seed}).randbytes({len(blob)})"
+            try:
+                frames, meta = load_video(source, backend=loader, num_frames=4)
+            except LoaderError as err:
+                assert err.reason, drawn
+            except Exception as err:    # noqa: BLE001 (the point: nothing but a LoaderError)
+                raise AssertionError(f"{type(err).__name__} from {drawn}: {err}") from err
+            else:                        # FFmpeg found a stream in it: then it must be a well-formed clip
+                assert frames.dtype == np.uint8 and frames.ndim == 4 and frames.shape[-1] == 3, (drawn, frames.shape)
+                assert 1 <= len(frames) == len(meta["frames_indices"]) <= 4, (drawn, meta)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_tags_that_are_not_utf8_do_not_stop_a_clip(tmp_path, loader):
+    """A clip whose container tags are Latin-1 (older muxers write them so) decodes exactly as the same packets
+    tagged in UTF-8; before, PyAV's strict tag decoding raised UnicodeDecodeError at open."""
+    src = make_clip(tmp_path / "src.mkv", container="mkv", seconds=1.5, gop_seconds=0.5).path
+    latin = str(tmp_path / "latin.mkv")
+    with av.open(src) as inp, av.open(latin, "w", metadata_encoding="latin-1") as out:
+        out.metadata["title"] = "Caf\xe9 r\xe9sum\xe9"
+        stream = out.add_stream_from_template(inp.streams.video[0])
+        for packet in inp.demux(video=0):
+            if packet.size:
+                packet.stream = stream
+                out.mux(packet)
+    with pytest.raises(UnicodeDecodeError):     # the file really holds tags that are not UTF-8
+        av.open(latin).close()
+    want, want_meta = load_video(src, backend=loader, num_frames=4)
+    got, meta = load_video(latin, backend=loader, num_frames=4)
+    np.testing.assert_array_equal(got, want)
+    assert meta["frames_indices"] == want_meta["frames_indices"]
 
 
 @pytest.mark.parametrize("loader", LOADERS)

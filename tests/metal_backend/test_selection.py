@@ -72,7 +72,7 @@ def test_genuine_kernels_on_this_machine(caplog):
     assert any("No Metal back-end" in r.message for r in caplog.records)
 
 
-def test_a_correct_kernel_is_selected_and_called():
+def test_a_correct_kernel_is_selected_and_called(rng):
     calls = []
     right = emulated_kernel()
 
@@ -83,7 +83,7 @@ def test_a_correct_kernel_is_selected_and_called():
     backend, _ = select(counting)
     assert backend.name == "metal", backend.reason
     n = len(calls)
-    rng = np.random.default_rng()  # any batch: the backend must route to the kernel it selected
+    # any batch (the fixture's fresh one): the backend must route to the kernel it selected
     q = mx.array(rng.standard_normal((3, 2, 64)).astype(np.float32))
     meta = build_attention_metadata([SeqSlice([0], 0, 3)], 16)
     cache = mx.array(rng.standard_normal((1, 16, 1, 64)).astype(np.float32))

@@ -20,7 +20,8 @@ from batchjob.nightly.schedule import (ScheduleError, calendar_intervals, cron_l
                                        on_calendar, systemd_units)
 
 FIXED = ["30 1 * * *", "@daily", "@weekly", "0 3 1,15 * 1", "*/15 9-17 * * 1-5", "5 4 * jan,jul sun",
-         "0 0 */2 * *", "0 22 * * 7", "59 23 31 12 *", "0 12 1-7 * mon", "0 0 29 2 *", "10 2 * * 6,0"]
+         "0 0 */2 * *", "0 22 * * 7", "59 23 31 12 *", "0 12 1-7 * mon", "0 0 29 2 *", "10 2 * * 6,0",
+         "0 9 1-15 * 0-6"]   # the last: a day field ORed with every weekday (it once gave systemd " *-*-* ...")
 
 
 def random_expr(rng) -> str:

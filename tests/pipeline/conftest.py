@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +97,21 @@ def seed() -> int:
     s = int(os.environ.get("BATCHJOB_TEST_SEED", time.time_ns() % 100_000))
     print(f"pipeline test seed: {s} (set BATCHJOB_TEST_SEED to reproduce)")
     return s
+
+
+@pytest.fixture
+def rng(request, seed) -> random.Random:
+    """Fresh draws per test and run, from the run's seed and the test's id: the failure report shows the seed
+    (captured output), and BATCHJOB_TEST_SEED=<it> replays the draws."""
+    print(f"{request.node.nodeid}: BATCHJOB_TEST_SEED={seed}")
+    return random.Random(f"{seed}:{request.node.nodeid}")
+
+
+@pytest.fixture
+def np_rng(request, seed) -> np.random.Generator:
+    """numpy's twin of `rng`, from the same seed."""
+    print(f"{request.node.nodeid}: BATCHJOB_TEST_SEED={seed}")
+    return np.random.default_rng([seed, zlib.crc32(request.node.nodeid.encode())])
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,7 @@ def _clips(rng: random.Random, n: int, solo_share: float = 0.0) -> list[tuple[Cl
             for i in range(n)]
 
 
-def test_batches_are_front_prefixes_and_solo_clips_go_alone():
-    rng = random.Random()
+def test_batches_are_front_prefixes_and_solo_clips_go_alone(rng):
     for _ in range(200):
         items = _clips(rng, rng.randint(1, 12), solo_share=rng.random())
         width = rng.randint(1, 5)
@@ -28,9 +27,8 @@ def test_batches_are_front_prefixes_and_solo_clips_go_alone():
         assert taken == items   # order kept, nothing lost or repeated
 
 
-def test_a_clip_that_always_fails_is_isolated_and_the_rest_answered():
+def test_a_clip_that_always_fails_is_isolated_and_the_rest_answered(rng):
     """The driver's retry rule: a failed multi-clip batch goes back marked solo; a failed single is an error."""
-    rng = random.Random()
     for _ in range(50):
         items = _clips(rng, rng.randint(2, 12))
         bad = set(rng.sample(range(len(items)), rng.randint(1, len(items) - 1)))

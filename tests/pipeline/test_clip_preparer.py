@@ -21,8 +21,8 @@ def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-def test_preparer_uses_the_checkpoints_settings_and_overrides(checkpoint):
-    rng = np.random.default_rng()
+def test_preparer_uses_the_checkpoints_settings_and_overrides(checkpoint, np_rng):
+    rng = np_rng
     max_pixels = 28 * 28 * int(rng.integers(4, 30))
     prep = clip_preparer(ModelConfig(checkpoint=str(checkpoint), max_pixels=max_pixels))
     assert isinstance(prep, MlxClipPreparer)
@@ -112,14 +112,14 @@ def _decoder_process(checkpoint, clip, out, resize=None) -> dict:
     return result
 
 
-def test_decoders_import_neither_torch_nor_transformers(checkpoint, tmp_path):
+def test_decoders_import_neither_torch_nor_transformers(checkpoint, tmp_path, rng):
     """A decoder (fresh process, as Ray starts one) with the MLX engine's preparer decodes and prepares a clip
     without importing torch or transformers, and its pixel values are those of PyTorch's resize, which
     `BATCHJOB_RESIZE=torch` still selects where torch is installed."""
     from batchjob.synthetic.clips import make_clip
 
     clip = tmp_path / "clip.mp4"
-    make_clip(clip, width=320, height=240, seconds=2.0, pattern="motion", seed=int(np.random.default_rng().integers(1000)))
+    make_clip(clip, width=320, height=240, seconds=2.0, pattern="motion", seed=rng.randrange(1000))
     plain = _decoder_process(checkpoint, clip, tmp_path / "numpy.npy")
     assert not plain["torch"] and not plain["transformers"], plain
     assert plain["grid"][1] * 14 < 240                                   # it did resize

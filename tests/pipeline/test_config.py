@@ -121,10 +121,10 @@ def fingerprint_with(tmp_path, section, key, value):
     return load_config(write(tmp_path, raw, f"{section}-{key}.yaml")).fingerprint()
 
 
-def test_fingerprint_tracks_exactly_the_answer_settings(tmp_path):
+def test_fingerprint_tracks_exactly_the_answer_settings(tmp_path, rng):
     base = load_config(write(tmp_path, base_config())).fingerprint()
     assert base == load_config(write(tmp_path, base_config(), "again.yaml")).fingerprint()
-    for section, key, value in random.sample(ANSWER_CHANGES, len(ANSWER_CHANGES)):
+    for section, key, value in rng.sample(ANSWER_CHANGES, len(ANSWER_CHANGES)):
         assert fingerprint_with(tmp_path, section, key, value) != base, (section, key)
     for section, key, value in NEUTRAL_CHANGES:
         assert fingerprint_with(tmp_path, section, key, value) == base, (section, key)
@@ -152,7 +152,7 @@ def _random_settings(rng: random.Random) -> tuple[dict, dict]:
     return model, prompt
 
 
-def test_the_job_config_accepts_exactly_what_the_mlx_engine_accepts():
+def test_the_job_config_accepts_exactly_what_the_mlx_engine_accepts(rng):
     """Random settings: the job schema plus the engine's preflight check reject a setting iff the MLX
     engine's own validation would (before, six option labels validated and then every row failed)."""
     from pydantic import ValidationError
@@ -162,7 +162,6 @@ def test_the_job_config_accepts_exactly_what_the_mlx_engine_accepts():
     from batchjob.engine.types import EngineConfig, EngineError
     from batchjob.pipeline.mlx_engine import MlxEngine
 
-    rng = random.Random()
     outcomes = set()
     for _ in range(300):
         model, prompt = _random_settings(rng)

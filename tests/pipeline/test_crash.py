@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -23,10 +22,9 @@ def start_run(h, cfg, delay: float) -> subprocess.Popen:
                             cwd=h.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def test_sigkill_at_random_points_then_resume(tmp_path, h, synthetic, isolated_network):
+def test_sigkill_at_random_points_then_resume(tmp_path, h, synthetic, isolated_network, rng):
     """Two engine replicas (on the CPU): whichever answered a row, every row ends up in the output once."""
     manifest, clips = synthetic
-    rng = random.Random()
     cfg = h.write_config(tmp_path / "job.yaml", manifest, output={"rows_per_part": 2, "flush_seconds": 0.5},
                          runtime={"engine_actors": 2})
     out = tmp_path / "out"
@@ -86,7 +84,7 @@ def test_a_crashing_decoder_costs_no_rows(tmp_path, h, synthetic, isolated_netwo
     assert [r["error"] for r in rows if r["error"]] == []
 
 
-def test_sigterm_flushes_rows_and_stops_ray(tmp_path, h, synthetic, isolated_network):
+def test_sigterm_flushes_rows_and_stops_ray(tmp_path, h, synthetic, isolated_network, rng):
     """A timeout's SIGTERM ends the run cleanly: exit 143, finished rows on disk, no Ray process left behind."""
     manifest, _ = synthetic
     cfg = h.write_config(tmp_path / "job.yaml", manifest, output={"rows_per_part": 1000, "flush_seconds": 3600})
@@ -97,7 +95,7 @@ def test_sigterm_flushes_rows_and_stops_ray(tmp_path, h, synthetic, isolated_net
                for p in h.descendants(proc.pid) if os.path.exists(f"/proc/{p}/cmdline")):
             break
         time.sleep(0.05)
-    time.sleep(random.uniform(0.5, 1.5))
+    time.sleep(rng.uniform(0.5, 1.5))
     ray_pids = h.descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)

@@ -29,8 +29,7 @@ def nextqa_records(rng: random.Random, n: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
-def test_nextqa(tmp_path, fmt):
-    rng = random.Random()
+def test_nextqa(tmp_path, fmt, rng):
     recs = nextqa_records(rng, rng.randint(5, 30))
     videos = tmp_path / "NExTVideo"
     nested = videos / "1021"     # the hub's zip nests clips in folders: found by scanning
@@ -50,8 +49,7 @@ def test_nextqa(tmp_path, fmt):
     assert rows[-1].video.endswith(f"{recs[-1]['video']}.mp4")   # missing clip: keeps its expected path
 
 
-def test_nextqa_errors(tmp_path):
-    rng = random.Random()
+def test_nextqa_errors(tmp_path, rng):
     recs = nextqa_records(rng, 4)
     ann = tmp_path / "mc.parquet"
     bad = [dict(r) for r in recs]
@@ -72,8 +70,7 @@ def test_nextqa_errors(tmp_path):
         load_rows(DatasetConfig(adapter="nextqa", annotation=str(tmp_path / "junk.parquet")))
 
 
-def test_mvbench(tmp_path):
-    rng = random.Random()
+def test_mvbench(tmp_path, rng):
     ann = tmp_path / "json"
     ann.mkdir()
     expected = {}
@@ -98,8 +95,7 @@ def test_mvbench(tmp_path):
         load_rows(cfg)
 
 
-def test_manifest_jsonl_and_csv(tmp_path):
-    rng = random.Random()
+def test_manifest_jsonl_and_csv(tmp_path, rng):
     recs, answers = [], []
     for i in range(rng.randint(4, 20)):
         opts = [words(rng, 1) + str(k) for k in range(rng.randint(2, 5))]

@@ -1,7 +1,6 @@
 """The decode actor's work, in-process: decode, then the engine's input preparation, failures per clip."""
 from __future__ import annotations
 
-import random
 
 import numpy as np
 import pytest
@@ -34,9 +33,9 @@ class Recorder:
         return {"prepared": frames[:, ::2, ::2].copy()}
 
 
-def test_prepared_payload_replaces_frames(decoder_cls, synthetic):
+def test_prepared_payload_replaces_frames(decoder_cls, synthetic, rng):
     manifest, clips = synthetic
-    video = str(manifest.parent / "clips" / random.choice(clips)["video"])
+    video = str(manifest.parent / "clips" / rng.choice(clips)["video"])
     frames, meta = load_video(video, backend="pyav_keyframes", num_frames=4)
     prep = Recorder()
     dec = decoder_cls("pyav_keyframes", 4, {}, prep)

@@ -109,7 +109,7 @@ def test_bar_is_a_binomial_tail():
         bar(1.2, 10)
 
 
-def test_default_demo_bars_sit_well_above_chance(tmp_path):
+def test_default_demo_bars_sit_well_above_chance(tmp_path, np_rng):
     """At the demo's default size (16 clips) every kind's bar, at the default model's recorded accuracy, is above
     chance. Simulated runs (the other kinds as recorded): one kind answered at chance passes the whole check in
     under 15% of runs (16 direction questions at 0.5 reach the bar 11/16 about 10% of the time), two kinds at
@@ -126,7 +126,7 @@ def test_default_demo_bars_sit_well_above_chance(tmp_path):
     total = sum(n.values())
     pooled_level = bar(sum(recorded[k] * n[k] for k in n) / total, total)
     assert all(levels[k] > chance[k] for k in recorded), (levels, chance)
-    rng = np.random.default_rng(int.from_bytes(np.random.bytes(4), "little"))
+    rng = np_rng
     cases = [((k,), 0.15) for k in recorded] + [(("direction", "order"), 0.01), (("colour", "order"), 0.01)]
     for broken, most in cases:
         right = {k: rng.binomial(n[k], chance[k] if k in broken else recorded[k], size=20_000) for k in n}
@@ -135,10 +135,10 @@ def test_default_demo_bars_sit_well_above_chance(tmp_path):
         assert passes.mean() < most, (broken, levels, chance, passes.mean())
 
 
-def test_check_kinds_against_a_count_by_hand():
+def test_check_kinds_against_a_count_by_hand(np_rng):
     """check_kinds on random per-kind outcomes: each kind against its own bar, chance from the options, and all
     kinds pooled against the bar at their mean recorded accuracy."""
-    rng = np.random.default_rng(int.from_bytes(np.random.bytes(4), "little"))
+    rng = np_rng
     options = {"colour": 4, "count": 3, "direction": 2, "order": 4}
     recorded = {k: float(rng.uniform(0.6, 0.99)) for k in options}
     records = [{"category": k, "options": ["x"] * options[k]} for k in options for _ in range(int(rng.integers(3, 30)))]

@@ -5,7 +5,6 @@ accuracy check against a bar and chance computed here."""
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
@@ -50,7 +49,7 @@ def _check_accuracy_lines(records, summary, stdout, recorded):
 
 
 @pytest.mark.parametrize("model_type", [None, "qwen2_5_vl"])     # None: the default (Qwen3-VL)
-def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isolated_network):
+def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isolated_network, rng):
     from batchjob.demo import demo_names
     from batchjob.demo_model import DEFAULT_MODEL_TYPE, packaged_model_dir
 
@@ -108,7 +107,7 @@ def test_demo_end_to_end_matches_direct_classifier(model_type, tmp_path, h, isol
     cfg = load_config(root / names.config)
     clf = Classifier.from_pretrained(cfg.model.checkpoint, EngineConfig(
         dtype="float32", max_pixels=cfg.model.max_pixels, memory_budget_gb=1.0))
-    for row in random.sample(rows, 3):
+    for row in rng.sample(rows, 3):
         frames, meta = load_video(row["video"], backend="pyav_adaptive", num_frames=8)
         assert list(meta["frames_indices"]) == row["frame_indices"]
         [direct] = clf.classify([ClassifyRequest(row["row_id"], Clip(frames, meta, row["video"]), row["question"],

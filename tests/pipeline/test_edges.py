@@ -100,20 +100,20 @@ BINARY_COMMANDS = ["validate {bin}.yaml", "run {bin}.yaml", "nightly {bin}.yaml"
 
 
 @pytest.mark.parametrize("command", BINARY_COMMANDS, ids=lambda c: c.replace("{bin}", "BIN").replace("{tmp}/", ""))
-def test_a_binary_file_given_as_config_exits_2_naming_it(tmp_path, h, command):
+def test_a_binary_file_given_as_config_exits_2_naming_it(tmp_path, h, command, rng):
     args = command.format(bin=tmp_path / "config", tmp=tmp_path).split()
     binary = Path(next(a for a in args if a.startswith(str(tmp_path / "config"))))
-    binary.write_bytes(random.Random().randbytes(2000) + b"\xff\xfe\x00")
+    binary.write_bytes(rng.randbytes(2000) + b"\xff\xfe\x00")
     res = h.run_console(*args)
     assert_refused(res, 2, str(binary))
     assert "not a text file" in res.stderr or "needs a nightly definition" in res.stderr, res.stderr
 
 
-def test_a_binary_manifest_exits_2_naming_it(tmp_path, h, synthetic):
+def test_a_binary_manifest_exits_2_naming_it(tmp_path, h, synthetic, rng):
     manifest, _ = synthetic
     data = tmp_path / "data"
     shutil.copytree(manifest.parent / "clips", data / "clips")
-    (data / "manifest.jsonl").write_bytes(random.Random().randbytes(3000) + b"\xff")
+    (data / "manifest.jsonl").write_bytes(rng.randbytes(3000) + b"\xff")
     cfg = h.write_config(tmp_path / "job.yaml", data / "manifest.jsonl")
     assert_refused(h.run_console("validate", str(cfg)), 2, "manifest.jsonl", "cannot read manifest")
 
@@ -136,7 +136,7 @@ def test_duplicate_yaml_keys_are_refused(tmp_path, h, synthetic):
     assert not (tmp_path / "out").exists() and not (tmp_path / "hist").exists()
 
 
-def test_duplicate_keys_at_any_depth_are_found(rng=random.Random()):
+def test_duplicate_keys_at_any_depth_are_found(rng):
     from batchjob.yamlfile import YamlFileError, parse_yaml
 
     for _ in range(50):
@@ -170,10 +170,9 @@ def copy_dataset(tmp_path: Path, manifest: Path) -> Path:
     return data / "manifest.jsonl"
 
 
-def test_validate_reports_missing_clips(tmp_path, h, synthetic):
+def test_validate_reports_missing_clips(tmp_path, h, synthetic, rng):
     manifest, clips = synthetic
     data = copy_dataset(tmp_path, manifest)
-    rng = random.Random()
     gone = rng.sample([c["video"] for c in clips], 2)
     for name in gone:
         (data.parent / "clips" / name).unlink()
@@ -194,7 +193,7 @@ def test_validate_reports_missing_clips(tmp_path, h, synthetic):
     assert nothing_written(tmp_path / "out")
 
 
-def test_a_few_missing_clips_never_stop_a_run(tmp_path, synthetic):
+def test_a_few_missing_clips_never_stop_a_run(tmp_path, synthetic, rng):
     """Only a dataset none of whose clips exists stops a run: clips that are really gone keep becoming error rows
     (so a nightly retry of them does not fail every night)."""
     from batchjob.config import ConfigError, load_config
@@ -203,7 +202,7 @@ def test_a_few_missing_clips_never_stop_a_run(tmp_path, synthetic):
 
     manifest, clips = synthetic
     data = copy_dataset(tmp_path, manifest)
-    gone = random.Random().sample([c["video"] for c in clips], 3)
+    gone = rng.sample([c["video"] for c in clips], 3)
     for name in gone:
         (data.parent / "clips" / name).unlink()
     cfg_path = tmp_path / "job.yaml"
@@ -256,15 +255,15 @@ def test_a_refused_run_does_not_block_the_corrected_config(tmp_path, h, syntheti
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def test_validate_reports_the_existing_outputs_fingerprint_and_damage(tmp_path, h, synthetic):
+def test_validate_reports_the_existing_outputs_fingerprint_and_damage(tmp_path, h, synthetic, rng):
     manifest, _ = synthetic
     cfg = h.write_config(tmp_path / "job.yaml", manifest)
-    write_output(tmp_path / "out", 9, "0123456789abcdef", random.Random())
+    write_output(tmp_path / "out", 9, "0123456789abcdef", rng)
     assert_refused(h.run_console("validate", str(cfg)), 2, "another config", "--restart")
     from batchjob.config import load_config
 
     shutil.rmtree(tmp_path / "out")
-    write_output(tmp_path / "out", 9, load_config(cfg).fingerprint(), random.Random())
+    write_output(tmp_path / "out", 9, load_config(cfg).fingerprint(), rng)
     assert h.run_console("validate", str(cfg)).returncode == 0
     part = sorted((tmp_path / "out").glob("part-*.parquet"))[1]
     part.write_bytes(part.read_bytes()[:100])
@@ -396,9 +395,8 @@ def test_history_job_must_exist(tmp_path, h, synthetic):
     assert_refused(h.run_console("diff", "--last", str(path), "--job", "nope"), 2, "'nope'")
 
 
-def test_report_takes_date_for_dated_outputs(tmp_path, h, synthetic):
+def test_report_takes_date_for_dated_outputs(tmp_path, h, synthetic, rng):
     manifest, _ = synthetic
-    rng = random.Random()
     cfg = h.write_config(tmp_path / "job.yaml", manifest, output={"directory": str(tmp_path / "out" / "{date}")})
     n = rng.randint(3, 12)
     write_output(tmp_path / "out" / "2026-01-31", n, "f", rng)

@@ -63,8 +63,7 @@ def damage(part: Path, how: str, rng: random.Random) -> None:
         part.write_bytes(bytes(data))
 
 
-def test_damaged_parts_are_named_and_repair_recovers_every_row(tmp_path, h, finished):
-    rng = random.Random()
+def test_damaged_parts_are_named_and_repair_recovers_every_row(tmp_path, h, finished, rng):
     cfg, manifest, out = job_copy(tmp_path, finished, h)
     before = {r["row_id"]: r for r in h.read_rows(out)}
     parts = sorted(out.glob("part-*.parquet"))
@@ -105,8 +104,7 @@ def test_damaged_parts_are_named_and_repair_recovers_every_row(tmp_path, h, fini
 
 
 # -- 6: an edited manifest ---------------------------------------------------------------------------------------
-def test_edited_rows_are_answered_again_or_rescored(tmp_path, h, finished):
-    rng = random.Random()
+def test_edited_rows_are_answered_again_or_rescored(tmp_path, h, finished, rng):
     cfg, manifest, out = job_copy(tmp_path, finished, h)
     before = {r["row_id"]: r for r in h.read_rows(out)}
     records = h.manifest_records(manifest)
@@ -145,11 +143,10 @@ def test_edited_rows_are_answered_again_or_rescored(tmp_path, h, finished):
 
 
 # -- 12: temporaries are invisible to readers, also after SIGINT ---------------------------------------------------
-def test_sigint_leaves_nothing_a_reader_counts(tmp_path, h, synthetic, isolated_network):
+def test_sigint_leaves_nothing_a_reader_counts(tmp_path, h, synthetic, isolated_network, rng):
     manifest, _ = synthetic
     cfg = h.write_config(tmp_path / "job.yaml", manifest, output={"rows_per_part": 1, "flush_seconds": 0.05})
     out = tmp_path / "out"
-    rng = random.Random()
     interrupted = 0
     for attempt in range(2):
         proc = subprocess.Popen([str(h.CONSOLE), "run", str(cfg), "--quiet"],
@@ -178,10 +175,9 @@ def test_sigint_leaves_nothing_a_reader_counts(tmp_path, h, synthetic, isolated_
 
 
 # -- 3: nightly retry_errors retries the error rows earlier nights left ---------------------------------------------
-def test_nightly_retry_errors_retries_error_rows_of_earlier_nights(tmp_path, h, finished):
+def test_nightly_retry_errors_retries_error_rows_of_earlier_nights(tmp_path, h, finished, rng):
     root, clips = finished
     cfg, manifest, out = job_copy(tmp_path, finished, h, runtime={"max_error_fraction": 1.0})
-    rng = random.Random()
     broken = set(rng.sample([c["video"] for c in clips], 2))
 
     for part in sorted(out.glob("part-*.parquet")):      # those clips failed on an earlier night

@@ -62,16 +62,16 @@ def test_unknown_placement_is_refused_by_the_schema():
         job(engine_placement="gpu")
 
 
-def test_single_replica_plan_keeps_the_engines_cpus_from_the_decoders():
+def test_single_replica_plan_keeps_the_engines_cpus_from_the_decoders(rng):
     from batchjob.pipeline.resources import Resources, resolve_runtime
 
-    cpus = random.randint(3, 64)
+    cpus = rng.randint(3, 64)
     plan = resolve_runtime(single_replica(job(engine_cpus=2)), Resources(cpus=cpus, gpus=8))
     assert (plan.engines, plan.engine_gpus, plan.decoders) == (1, 0.0, cpus - 2)
 
 
-def test_local_gpu_count(tmp_path):
-    n = random.randint(1, 8)
+def test_local_gpu_count(tmp_path, rng):
+    n = rng.randint(1, 8)
     for i in range(n):
         (tmp_path / f"0000:{i:02x}:00.0").mkdir()
     (tmp_path / "not-a-gpu").write_text("")
@@ -150,12 +150,12 @@ def _driver_engine(module: str, cls: str) -> DriverEngine:
     return DriverEngine(cfg.model, cfg.prompt, resolve=lambda xs: xs)
 
 
-def test_driver_engine_answers_on_its_own_thread_in_order(engine_module):
+def test_driver_engine_answers_on_its_own_thread_in_order(engine_module, rng):
     engine = _driver_engine(engine_module, "ThreadEngine")
     try:
         workers = DriverWorkers([], engine)
         assert engine.description().model_id == "thread-test"
-        batches = [[_clip(random.randrange(10**6)) for _ in range(random.randint(1, 3))] for _ in range(5)]
+        batches = [[_clip(rng.randrange(10**6)) for _ in range(rng.randint(1, 3))] for _ in range(5)]
         tickets = [workers.answer(0, [c for c, _ in b], [f for _, f in b]) for b in batches]
         results = {}
         while len(results) < len(tickets):
@@ -219,11 +219,11 @@ def test_a_load_error_reaches_the_driver(engine_module):
     engine.close()
 
 
-def test_close_stops_a_load_at_its_next_step(engine_module):
+def test_close_stops_a_load_at_its_next_step(engine_module, rng):
     from batchjob.startup import LoadCancelled
 
     engine = _driver_engine(engine_module, "SlowLoadEngine")
-    time.sleep(random.uniform(0.05, 0.3))
+    time.sleep(rng.uniform(0.05, 0.3))
     t0 = time.perf_counter()
     engine.close()
     assert time.perf_counter() - t0 < 1.0 and not engine._thread.is_alive()
@@ -235,13 +235,13 @@ def test_close_stops_a_load_at_its_next_step(engine_module):
 
 
 @pytest.mark.ray
-def test_driver_placement_answers_every_row_as_actors_do(tmp_path, h, synthetic, isolated_network):
+def test_driver_placement_answers_every_row_as_actors_do(tmp_path, h, synthetic, isolated_network, rng):
     """The deterministic engine in the driver: every row once with its own clip's frames (the payloads crossed
     Ray's object store into the driver's thread), a failing batch costs only its clip, and the statistics say
     where the engine ran, with its load beside the other start-up steps."""
     manifest, clips = synthetic
     records = h.manifest_records(manifest)
-    victim = random.choice(records)["video"]
+    victim = rng.choice(records)["video"]
     for r in records:
         if r["video"] == victim:
             r["question"] = "ENGINE_FAIL " + r["question"]
@@ -272,13 +272,14 @@ def test_driver_placement_answers_every_row_as_actors_do(tmp_path, h, synthetic,
 
 
 @pytest.mark.ray
-def test_the_mlx_engine_answers_the_same_in_the_driver_and_in_an_actor(tmp_path, h, synthetic, isolated_network):
+def test_the_mlx_engine_answers_the_same_in_the_driver_and_in_an_actor(tmp_path, h, synthetic, isolated_network,
+                                                                        rng):
     """A tiny random Qwen2-VL checkpoint on the CPU: placement changes where the model runs, never its answers;
     `auto` on a machine without a GPU keeps the actor (and says why)."""
     from batchjob.synthetic.tiny_model import TinyModelSpec, write_tiny_checkpoint
 
     manifest, _ = synthetic
-    ckpt = str(write_tiny_checkpoint(tmp_path / "tiny", TinyModelSpec(seed=random.randrange(10**6))))
+    ckpt = str(write_tiny_checkpoint(tmp_path / "tiny", TinyModelSpec(seed=rng.randrange(10**6))))
     probs, reasons = {}, {}
     for placement in ("driver", "auto"):
         out = tmp_path / f"out-{placement}"
@@ -323,10 +324,9 @@ def test_driver_placement_failures_exit_cleanly(tmp_path, h, synthetic, isolated
     assert res.returncode == 2 and "runtime.engine_placement: driver" in res.stderr, res.stderr[-2000:]
 
 
-def test_readahead_names_a_checkpoints_weight_files_and_reads_them(tmp_path):
+def test_readahead_names_a_checkpoints_weight_files_and_reads_them(tmp_path, rng):
     from batchjob.pipeline.readahead import warm_page_cache, weight_files
 
-    rng = random.Random()
     sizes = {f"model-{i:05d}-of-00004.safetensors": rng.randint(1, 4096) for i in range(1, 5)}
     for name, size in sizes.items():
         (tmp_path / name).write_bytes(rng.randbytes(size))
@@ -348,13 +348,13 @@ def test_readahead_names_a_checkpoints_weight_files_and_reads_them(tmp_path):
     assert not thread.is_alive() and warm_page_cache([]) is None
 
 
-def test_readahead_probe_says_cached_for_a_file_just_written_and_not_past_its_end(tmp_path):
+def test_readahead_probe_says_cached_for_a_file_just_written_and_not_past_its_end(tmp_path, rng):
     import os
 
     from batchjob.pipeline.readahead import cached
 
     f = tmp_path / "w.safetensors"
-    f.write_bytes(random.Random().randbytes(3 * 4096))
+    f.write_bytes(rng.randbytes(3 * 4096))
     fd = os.open(f, os.O_RDONLY)
     try:
         if not hasattr(os, "RWF_NOWAIT"):

@@ -26,6 +26,7 @@ def _outcomes(seed: int) -> list[ClipOutcome]:
 
 def test_tally_matches_a_count_by_hand():
     seed = int.from_bytes(np.random.bytes(4), "little")
+    print(f"outcomes drawn with _outcomes({seed})")
     outcomes = _outcomes(seed)
     rows = tally(outcomes)
     assert [(r.loader, r.gop) for r in rows] == [(lo, g) for lo in ("opencv", "pyav_keyframes")

@@ -54,8 +54,7 @@ def test_result_row_semantics():
     assert unknown["correct"] is None
 
 
-def test_group_by_clip_partitions_pending_rows():
-    rng = random.Random()
+def test_group_by_clip_partitions_pending_rows(rng):
     rows = random_rows(rng, rng.randint(1, 60))
     skip = {r.row_id for r in rows if rng.random() < 0.3}
     clips = group_by_clip(rows, skip, "pyav_keyframes", 16, {"b": 1, "a": 2})
@@ -69,8 +68,7 @@ def test_group_by_clip_partitions_pending_rows():
     assert firsts == [c.video for c in clips]   # first-appearance order
 
 
-def test_parts_resume_and_report(tmp_path):
-    rng = random.Random()
+def test_parts_resume_and_report(tmp_path, rng):
     rows = random_rows(rng, rng.randint(10, 80))
     assert prepare_output(tmp_path, "fp1", {"job": "t"}, restart=False).existing is None
     assert json.loads((tmp_path / MANIFEST).read_text())["fingerprint"] == "fp1"
@@ -122,10 +120,9 @@ def test_parts_resume_and_report(tmp_path):
             assert runs[run]["rows"] == len(mine) and runs[run]["seconds"] == pytest.approx(secs, abs=1e-3)
 
 
-def test_fingerprint_guard_and_restart(tmp_path):
+def test_fingerprint_guard_and_restart(tmp_path, rng):
     prepare_output(tmp_path, "fp1", {}, restart=False)
     w = PartWriter(tmp_path, {}, rows_per_part=2, flush_seconds=60)
-    rng = random.Random()
     now = datetime.now(timezone.utc)
     w.add([make_result(rng, r, "x", now, now) for r in random_rows(rng, 5)])
     w.flush()
@@ -142,10 +139,9 @@ def test_fingerprint_guard_and_restart(tmp_path):
         prepare_output(stray, "fp", {}, restart=False)
 
 
-def test_an_output_without_rows_takes_a_corrected_config(tmp_path):
+def test_an_output_without_rows_takes_a_corrected_config(tmp_path, rng):
     """A run refused (or whose engine failed to load) before any row leaves only its manifest: the next config,
     whatever its fingerprint, must not be told to --restart over results that do not exist."""
-    rng = random.Random()
     first, second = (f"{rng.getrandbits(64):016x}" for _ in range(2))
     assert prepare_output(tmp_path, first, {"job": "a"}, restart=False).existing is None
     assert json.loads((tmp_path / MANIFEST).read_text())["fingerprint"] == first

@@ -38,7 +38,7 @@ def footer_start(blob: bytes) -> int:
     return len(blob) - 8 - int.from_bytes(blob[-8:-4], "little")
 
 
-def test_every_damaged_page_byte_is_found(tmp_path, rng=random.Random()):
+def test_every_damaged_page_byte_is_found(tmp_path, rng):
     table = random_rows(rng, rng.randint(3, 40))
     part = tmp_path / "part-00000.parquet"
     write_part(part, table)
@@ -59,7 +59,7 @@ def test_every_damaged_page_byte_is_found(tmp_path, rng=random.Random()):
     assert not missed, f"damaged bytes read back as data at offsets {missed[:10]} of {end} page bytes"
 
 
-def test_runs_of_garbled_bytes_are_found(tmp_path, rng=random.Random()):
+def test_runs_of_garbled_bytes_are_found(tmp_path, rng):
     part = tmp_path / "part-00001.parquet"
     write_part(part, random_rows(rng, 20))
     blob = part.read_bytes()
@@ -74,7 +74,7 @@ def test_runs_of_garbled_bytes_are_found(tmp_path, rng=random.Random()):
             read_part(part)
 
 
-def test_rewriting_a_part_replaces_its_crc(tmp_path, rng=random.Random()):
+def test_rewriting_a_part_replaces_its_crc(tmp_path, rng):
     """rewrite_parts hands write_part the old part's metadata, CRC included: the new part must carry its own."""
     part = tmp_path / "part-00002.parquet"
     write_part(part, random_rows(rng, 5))
@@ -84,14 +84,14 @@ def test_rewriting_a_part_replaces_its_crc(tmp_path, rng=random.Random()):
     assert read_part(part).num_rows == 7
 
 
-def test_parts_written_before_the_crc_still_read(tmp_path, rng=random.Random()):
+def test_parts_written_before_the_crc_still_read(tmp_path, rng):
     table = random_rows(rng, 6)
     part = tmp_path / "part-00003.parquet"
     pq.write_table(table, part, write_page_checksum=True)
     assert read_part(part).equals(table.cast(SCHEMA))
 
 
-def test_a_part_re_encoded_by_another_writer_is_not_called_damaged(tmp_path, rng=random.Random()):
+def test_a_part_re_encoded_by_another_writer_is_not_called_damaged(tmp_path, rng):
     """pyarrow copies the schema's metadata, our CRC included, into a file it re-encodes (a user editing rows):
     its pages have another length, and the stale CRC must not turn the edit into damage."""
     part = tmp_path / "part-00004.parquet"
@@ -104,7 +104,7 @@ def test_a_part_re_encoded_by_another_writer_is_not_called_damaged(tmp_path, rng
     assert read_part(part).to_pylist() == pa.Table.from_pylist(edited, schema=SCHEMA).to_pylist()
 
 
-def test_a_damaged_crc_value_is_damage(tmp_path, rng=random.Random()):
+def test_a_damaged_crc_value_is_damage(tmp_path, rng):
     part = tmp_path / "part-00005.parquet"
     write_part(part, random_rows(rng, 4))
     blob = bytearray(part.read_bytes())
@@ -114,3 +114,29 @@ def test_a_damaged_crc_value_is_damage(tmp_path, rng=random.Random()):
     part.write_bytes(bytes(blob))
     with pytest.raises(PartUnreadable):
         read_part(part)
+
+
+def test_a_column_renamed_by_footer_damage_is_damage(tmp_path, rng):
+    """The footer has no checksum: a flipped byte in a column's name read that column back as nulls (as if an
+    older part lacked it). Each place the name is spelt in the footer, damaged in turn: the part is refused, or
+    it reads back exactly as written."""
+    table = random_rows(rng, rng.randint(3, 20))
+    part = tmp_path / "part-00006.parquet"
+    write_part(part, table)
+    blob = part.read_bytes()
+    name = rng.choice([n for n in SCHEMA.names if len(n) > 3]).encode()
+    spots = [i for i in range(footer_start(blob), len(blob)) if blob.startswith(name, i)]
+    assert spots, name
+    refused = 0
+    for at in spots:
+        damaged = bytearray(blob)
+        damaged[at + 1] ^= 0x20 if chr(damaged[at + 1]).isalpha() else 0x01       # 'run_id' -> 'rUn_id'
+        part.write_bytes(bytes(damaged))
+        try:
+            got = read_part(part)
+        except PartUnreadable as err:
+            refused += 1
+            assert err.damaged.path == part and err.damaged.reason
+            continue
+        assert got.equals(table.cast(SCHEMA)), (name, at, "a renamed column read back as data")
+    assert refused, f"no spelling of {name!r} in the footer named the column"

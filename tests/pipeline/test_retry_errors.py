@@ -2,7 +2,6 @@
 again and replaced in place; a SIGKILL of the retry at a random point loses nothing and duplicates nothing."""
 from __future__ import annotations
 
-import random
 import shutil
 import subprocess
 import sys
@@ -13,12 +12,11 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_retry_errors_replaces_error_rows_exactly_once_under_sigkill(tmp_path, h, synthetic, isolated_network):
+def test_retry_errors_replaces_error_rows_exactly_once_under_sigkill(tmp_path, h, synthetic, isolated_network, rng):
     manifest, clips = synthetic
     data = tmp_path / "data"
     shutil.copytree(manifest.parent / "clips", data / "clips")
     shutil.copy(manifest, data / "manifest.jsonl")
-    rng = random.Random()
     broken = sorted(rng.sample([c["video"] for c in clips], 3))
     for name in broken:                       # an NFS hiccup: the clip reads as garbage during the first run
         (data / "clips" / name).rename(data / "clips" / f"{name}.ok")

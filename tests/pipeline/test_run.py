@@ -3,7 +3,6 @@ resume, error rows, fingerprint guard. (The real MLX engine runs in test_e2e_mlx
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import time
 
@@ -55,7 +54,7 @@ def check_startup(stats: dict, rows: list[dict], launched: float) -> None:
     assert stats["host_peak_mb"] >= stats["peak_rss_mb"] > 0 and len(stats["actor_peak_rss_mb"]["decoders"]) >= 1
 
 
-def test_run_report_resume_and_fingerprint(tmp_path, h, synthetic, isolated_network):
+def test_run_report_resume_and_fingerprint(tmp_path, h, synthetic, isolated_network, rng):
     manifest, clips = synthetic
     cfg = h.write_config(tmp_path / "job.yaml", manifest)
     launched = time.time()
@@ -98,20 +97,20 @@ def test_run_report_resume_and_fingerprint(tmp_path, h, synthetic, isolated_netw
     refused = h.run_cli("run", str(changed))
     assert refused.returncode == 2 and "--restart" in refused.stderr, refused.stderr[-2000:]
     assert len(h.read_rows(out)) == len(rows)
-    limit = random.randint(1, 5)
+    limit = rng.randint(1, 5)
     fresh = h.run_cli("run", str(changed), "--restart", "--limit", str(limit))
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     new_rows = h.read_rows(out)
     assert len(new_rows) == limit and all(len(r["frame_indices"]) == 3 for r in new_rows)
 
 
-def test_bad_clips_become_error_rows_and_resume_completes(tmp_path, h, synthetic, isolated_network):
+def test_bad_clips_become_error_rows_and_resume_completes(tmp_path, h, synthetic, isolated_network, rng):
     manifest, clips = synthetic
-    rng = random.Random()
     data = tmp_path / "data"
     shutil.copytree(manifest.parent / "clips", data / "clips")
     good = (data / "clips" / clips[0]["video"]).read_bytes()
-    (data / "clips" / "corrupt.mp4").write_bytes(rng.randbytes(5000))
+    # an MP4 head, then garbage: bare random bytes are now and then a raw H.263 picture FFmpeg decodes
+    (data / "clips" / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypisom\x00\x00\x02\x00isomiso2" + rng.randbytes(5000))
     (data / "clips" / "truncated.mp4").write_bytes(good[: len(good) // 2])
     bad = [{"id": f"bad-{name}-{q}", "video": f"{name}.mp4", "question": "q?", "options": ["x", "y", "z"],
             "answer": q % 3, "category": "bad"} for name in ("corrupt", "truncated", "missing") for q in range(2)]

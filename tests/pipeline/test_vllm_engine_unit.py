@@ -72,13 +72,14 @@ def _clip(i: int, n_questions: int, rng) -> EngineClip:
                       rng.integers(0, 256, (3, 28, 56, 3), dtype=np.uint8))
 
 
-def test_a_rejected_request_alone_in_its_wave_is_an_error_row(checkpoint, fake_vllm, rng=np.random.default_rng()):
+def test_a_rejected_request_alone_in_its_wave_is_an_error_row(checkpoint, fake_vllm, np_rng):
     """Wave 2 holding only the rejected question (every other clip has one question): an error row for it, answers
     for the rest, nothing raised."""
     from transformers import AutoTokenizer
 
     from batchjob.pipeline.vllm_engine import VllmEngine
 
+    rng = np_rng
     llm = FakeLLM(AutoTokenizer.from_pretrained(checkpoint), rng, reject="TOO_LONG")
     engine = VllmEngine(llm, ModelConfig(checkpoint=str(checkpoint), engine="vllm"), PromptConfig())
     clips = [_clip(i, 2 if i == 1 else 1, rng) for i in range(int(rng.integers(2, 5)))]
@@ -88,12 +89,12 @@ def test_a_rejected_request_alone_in_its_wave_is_an_error_row(checkpoint, fake_v
     assert all(a.error is None and a.choice is not None for k, a in answers.items() if k != "c1q1")
 
 
-def test_requests_answers_and_waves(checkpoint, fake_vllm):
+def test_requests_answers_and_waves(checkpoint, fake_vllm, np_rng):
     from transformers import AutoTokenizer
 
     from batchjob.pipeline.vllm_engine import VllmEngine
 
-    rng = np.random.default_rng()
+    rng = np_rng
     tok = AutoTokenizer.from_pretrained(checkpoint)
     llm = FakeLLM(tok, rng, reject="TOO_LONG")
     engine = VllmEngine(llm, ModelConfig(checkpoint=str(checkpoint), engine="vllm"), PromptConfig())

@@ -79,12 +79,13 @@ def test_a_clip_never_reads_past_its_io_budget(served):
 
 def test_random_faults_over_many_reads(store, clip_dir, seed):
     """5% of requests fault at random (seeded; no "missing": two in a row would rightly fail a clip): every
-    load still returns the local frames."""
+    load still returns the local frames. Six tries a request: with the default four, the ~100 requests of a run
+    met four faults in a row (a failure the client rightly reports) about once in 1,600 runs."""
     base, server_path, server = store
     server.faults.__init__(rate=0.05, kinds=("timeout", "5xx", "reset"), seed=seed, stall_s=1.5)
     names = ["moov_end.mp4", "faststart.mp4", "cues.mkv"]
     local = {n: load_video(str(clip_dir / n), num_frames=4)[0] for n in names}
     for i in range(30):
         name = names[i % len(names)]
-        frames, meta = load_video(f"{base}/{name}", num_frames=4, remote=FAST)
-        assert np.array_equal(frames, local[name]), (name, dict(server.log.total_faults()))
+        frames, meta = load_video(f"{base}/{name}", num_frames=4, remote=dataclasses.replace(FAST, attempts=6))
+        assert np.array_equal(frames, local[name]), (name, dict(server.log.total_faults()), seed)
