@@ -70,15 +70,17 @@ class Recipe:
 
 
 RECIPES = {
-    # Qwen2.5-VL's order questions stopped at 0.94 with direction alone weighted: they weigh double too.
-    # Still "span" scenes: on "wrap" scenes with 8 frames no run learned direction (0.50-0.63 in five runs of
-    # 3000-7000 steps: learning rate 2e-3, direction x3, a bigger vision tower; 28x56 frames neither). With
-    # num_frames=16, steps=5000 it learned direction from motion (0.875; 0.14 on reversed frames) but not order
-    # (0.54); order x4 (4000 steps, stopped at 2050) and tokens_per_second 4 (extra; 4000 steps: direction 0.51,
-    # order 0.47) learned neither.
+    # On "wrap" scenes (direction from motion alone) Qwen2.5-VL learned direction and order once its temporal
+    # position step per temporal patch (tokens_per_second x seconds per patch) came down from 1-3 (the family's 2,
+    # on these 2-6 s clips) to 0.5-1.5 (tokens_per_second 1). With 8 frames at the larger step, every earlier run
+    # (3000-7000 steps, direction x3, learning rate 2e-3, a bigger vision tower, 28x56 frames) left direction at
+    # 0.50-0.63; 16 frames (a 0.5-1.5 step too, offsets up to 10 positions) learned direction, not order. Likely
+    # why: this 16-wide head gives time two rotary pairs of about 1 radian per position, and past about pi
+    # positions the rotation that says "later" says "earlier". Order questions weigh double (they stopped at 0.94 otherwise).
     # Runs: benchmarks/results/demo-model-wrap-attempts-2026-11-26.json.
     "qwen2_5_vl": Recipe("qwen2_5_vl", hidden_size=64, num_layers=2, intermediate_size=256, vision_hidden=64,
-                         vision_depth=2, max_pixels=7056, motion="span", kind_weights={"direction": 2.0, "order": 2.0}),
+                         vision_depth=2, max_pixels=7056, steps=6000, kind_weights={"direction": 2.0, "order": 2.0},
+                         extra={"tokens_per_second": 1}),
     # The clip's budget gives 64x128 frames: 8 tokens per frame pair, as Qwen2.5-VL's 56x112. At 8 * 7056 the
     # frames were 32x96 (3 tokens per pair): three shapes were never counted and direction lagged.
     # On "wrap" scenes (direction from motion alone) 3000 steps left direction at 0.72 with colour, count and order
@@ -93,8 +95,8 @@ RECIPES = {
 }
 
 
-# The demo's model: Qwen3-VL answers direction from motion on "wrap" scenes (one frame repeated leaves it at
-# chance). Qwen2.5-VL learned direction only on "span" scenes, where one frame gives it away.
+# The demo's model: Qwen3-VL, what video users run now. Both trained models answer direction from motion on "wrap"
+# scenes (one frame repeated leaves them at chance).
 DEFAULT_MODEL_TYPE = "qwen3_vl"
 # What `batchjob demo --model-type` takes: the trained families, and Qwen3-VL-MoE with random weights (chance).
 DEMO_MODEL_TYPES = ("qwen3_vl", "qwen2_5_vl", "qwen3_vl_moe")

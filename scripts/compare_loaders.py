@@ -3,7 +3,7 @@ per clip, for each loader.
 
     scripts/compare_loaders.py                         # 48 clips, seed 0, the three loaders, the default model
     scripts/compare_loaders.py --clips 96 --seed 3 --json out.json --html loaders.html
-    scripts/compare_loaders.py --model-type qwen2_5_vl  # the Qwen2.5-VL demo model on its own ("span") scenes
+    scripts/compare_loaders.py --model-type qwen2_5_vl  # the Qwen2.5-VL demo model on its own scenes
 
 Fresh demo clips (`batchjob.demo.build_scene_clips`: short GOPs and single-keyframe clips), each decoded by every
 loader with the demo's 8 frames and answered by the trained demo model (`batchjob.engine.Classifier`, the

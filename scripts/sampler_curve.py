@@ -6,7 +6,7 @@
     scripts/sampler_curve.py                      # the README's table (first run encodes the clips, then cached)
     scripts/sampler_curve.py --small              # a seconds-long smoke run (tests)
     scripts/sampler_curve.py --loaders pyav_keyframes pyav_burst:burst_step=2 opencv
-    scripts/sampler_curve.py --model-type qwen2_5_vl   # the Qwen2.5-VL demo model, on its own ("span") scenes
+    scripts/sampler_curve.py --model-type qwen2_5_vl   # the Qwen2.5-VL demo model, on its own scenes
 
 Scenes from `batchjob.synthetic.scenes` (the demo's kind, drawn with the motion the model was trained on)
 rendered at 1280x720 and encoded once per GOP length (H.264, 2 B-frames, fresh sensor noise per frame; see

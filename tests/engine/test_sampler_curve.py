@@ -53,7 +53,7 @@ def test_model_time_scaling_keeps_the_loader_metadata():
 def test_model_type_is_a_trained_demo_model():
     from batchjob.demo_model import DEFAULT_MODEL_TYPE, RECIPES
 
-    assert demo_model(DEFAULT_MODEL_TYPE).motion == "wrap" and demo_model("qwen2_5_vl").motion == "span"
+    assert demo_model(DEFAULT_MODEL_TYPE).motion == "wrap" and demo_model("qwen2_5_vl").motion == "wrap"
     assert demo_model("qwen2_5_vl").recipe is RECIPES["qwen2_5_vl"]
     with pytest.raises(ValueError, match="qwen3_vl_moe.*not a trained demo model: use one of"):
         demo_model("qwen3_vl_moe")

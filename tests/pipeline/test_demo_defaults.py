@@ -36,14 +36,14 @@ def test_demo_set_is_drawn_as_its_checkpoint_was_trained(tmp_path, model_type):
     demo set drawn the wrong way fails here)."""
     from batchjob.config import load_config
     from batchjob.demo import build_demo, build_scene_clips
-    from batchjob.demo_model import DEFAULT_MODEL_TYPE, packaged_model_dir, recorded_motion
+    from batchjob.demo_model import DEFAULT_MODEL_TYPE, RECIPES, packaged_model_dir, recorded_motion
     from batchjob.synthetic.scenes import MOTIONS
 
     args = () if model_type == DEFAULT_MODEL_TYPE else (model_type,)
     config = build_demo(tmp_path / "cache", 2, *args)
     checkpoint = Path(load_config(config).model.checkpoint)
     motion = recorded_motion(checkpoint)
-    assert motion == recorded_motion(packaged_model_dir(model_type)) == ("wrap" if model_type == "qwen3_vl" else "span")
+    assert motion == recorded_motion(packaged_model_dir(model_type)) == RECIPES[model_type].motion
     records = _records(config)
     assert {r["motion"] for r in records} == {motion}
     names = {r["video"] for r in records}
