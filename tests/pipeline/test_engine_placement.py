@@ -3,7 +3,6 @@ behind the driver's `Workers` seam (no Ray), and whole `batchjob run`s that must
 from __future__ import annotations
 
 import json
-import random
 import sys
 import threading
 import time
