@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import multiprocessing as mp
 import os
 import pstats
@@ -19,6 +18,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,13 +74,15 @@ def decoders_beside(paths: list[str], decoder_args: tuple, n: int, nice: int):
 
 def job_inputs(a):
     """The whole-job benchmark's dataset and checkpoint for `a.model` (built once per cache), its shipped config
-    pointed at them, and the first `a.clips` clips decoded and prepared by the job's decoder: (config, clip paths,
-    decoder arguments, questions per clip, {clip: (metadata, input)})."""
+    pointed at them, and the job's first `a.clips` clips (its rows grouped as the driver groups them) decoded and
+    prepared by the job's decoder: (config, clip paths, decoder arguments, [(clip job, (metadata, input))])."""
     import bench_pipeline_gpu as B
     from benchlib.job_inputs import job_checkpoint, job_data, user_config
     from benchlib.job_models import MODELS
 
     from batchjob.config import JobConfig
+    from batchjob.datasets import load_rows
+    from batchjob.pipeline.work import group_by_clip
 
     args = B.parse_args(["--model", a.model, "--cache", str(a.cache), "--clips", str(max(a.clips, 64))]
                         + (["--smoke"] if a.smoke else []))
@@ -88,18 +90,15 @@ def job_inputs(a):
     ckpt, _ = job_checkpoint(args, "float32" if a.smoke else "bfloat16")
     cfg = JobConfig.model_validate(user_config(data, ckpt, "pyav_keyframes", Path("/tmp/diag-out"),
                                                shipped=MODELS[a.model].config))
-    questions: dict[str, list] = {}
-    for line in data.manifest.read_text().splitlines():
-        r = json.loads(line)
-        questions.setdefault(r["video"], []).append(r)
-    videos = list(questions)[:a.clips]
-    paths, decoder_args = [str(data.clips_dir / v) for v in videos], (cfg.model, cfg.loader)
+    jobs = [w.job for w in group_by_clip(load_rows(cfg.dataset), set(), cfg.loader.name, cfg.loader.num_frames,
+                                         cfg.loader.kwargs)][:a.clips]
+    paths, decoder_args = [j.video for j in jobs], (cfg.model, cfg.loader)
     t0 = time.perf_counter()
     with ProcessPoolExecutor(min(14, os.cpu_count() or 1), initializer=_start_decoder, initargs=decoder_args) as pool:
-        decoded = dict(zip(videos, pool.map(_decode, paths)))
-    print(f"decoded {len(decoded)} clips in {time.perf_counter() - t0:.1f} s; grid {decoded[videos[0]][1].grid_thw}",
+        decoded = list(pool.map(_decode, paths))
+    print(f"decoded {len(decoded)} clips in {time.perf_counter() - t0:.1f} s; grid {decoded[0][1].grid_thw}",
           flush=True)
-    return cfg, paths, decoder_args, questions, decoded
+    return cfg, paths, decoder_args, list(zip(jobs, decoded))
 
 
 def main() -> None:
@@ -114,19 +113,18 @@ def main() -> None:
     ap.add_argument("--clear-each-batch", action="store_true", help="mx.clear_cache() after every batch")
     ap.add_argument("--smoke", action="store_true", help="tiny clips and model: checks the script on a CPU")
     a = ap.parse_args()
-    cfg, paths, decoder_args, questions, decoded = job_inputs(a)
+    cfg, paths, decoder_args, decoded = job_inputs(a)
     import mlx.core as mx
 
-    from batchjob.contract import ClipJob, EngineClip, Question
+    from batchjob.contract import EngineClip
     from batchjob.pipeline.mlx_engine import MlxEngine
 
     engine = MlxEngine.load(cfg.model, cfg.prompt)
     cpb = cfg.runtime.clips_per_batch
 
     def batches(tag: str) -> list:   # a fresh media id per pass: nothing cached from an earlier one
-        clips = [EngineClip(ClipJob(v, f"{v}#{tag}", tuple(Question(r["id"], r["question"], tuple(r["options"]))
-                                                          for r in questions[v])), meta, payload)
-                 for v, (meta, payload) in decoded.items()]
+        clips = [EngineClip(replace(job, media_id=f"{job.media_id}#{tag}"), meta, payload)
+                 for job, (meta, payload) in decoded]
         return [clips[i:i + cpb] for i in range(0, len(clips), cpb)]
 
     for b in batches("warm")[:2]:
