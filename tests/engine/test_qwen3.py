@@ -12,6 +12,7 @@ clip-level resize rule is checked against transformers' own function below.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -30,6 +31,36 @@ from batchjob.engine.preprocess import clip_smart_resize, group_timestamps, plan
 torch.set_grad_enabled(False)
 QWEN3 = ["qwen3_vl", "qwen3_vl_moe"]
 OUTER = "<|vision_start|><|video_pad|><|vision_end|>"
+# Below this gap between the k-th and the (k+1)-th router probability of a token, fp32 rounding (the engine's and
+# transformers' sums run in different orders) may send the token to another expert: the two models then compute
+# different functions, and no tolerance on the outputs is meaningful. A request whose outputs differ is excused
+# only where its reference routing came this close to a tie (random tiny MoE models differ so in about one run of
+# the test in a thousand; a gap under 1e-5 came up in 1 of 12 runs measured, and its outputs still agreed).
+ROUTE_TIE = 1e-4
+
+
+@contextlib.contextmanager
+def _route_margins(hf_model):
+    """Collects, per forward, the smallest gap between the k-th and (k+1)-th router probability over every token
+    and MoE layer of `hf_model` (none for a dense model): how close its routing came to a tie."""
+    margins: list[float] = []
+
+    def hook(module, args, output):
+        probs = torch.softmax(output[0].double(), dim=-1).sort(dim=-1, descending=True).values
+        gap = float((probs[:, module.top_k - 1] - probs[:, module.top_k]).min())
+        margins[-1] = min(margins[-1], gap)
+
+    def start(module, args):      # the first MoE layer: a new forward
+        margins.append(float("inf"))
+
+    routers = [m for m in hf_model.modules() if type(m).__name__.endswith("TopKRouter")]
+    handles = [r.register_forward_hook(hook) for r in routers] + [
+        r.register_forward_pre_hook(start) for r in routers[:1]]
+    try:
+        yield margins
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _processor_placeholder(grid_thw, metadata: dict) -> str:
@@ -100,21 +131,29 @@ def test_prompts_and_logprobs_match_transformers(name, checkpoint_dir, tiny_clas
 
     hf_model = AutoModelForImageTextToText.from_pretrained(checkpoint_dir(name), dtype=torch.float32).eval()
     family, vision = clf.checkpoint.family, clf.checkpoint.vision
-    worst = 0.0
+    worst, excused = 0.0, []
     for request, result in zip(requests, results):
-        ids, expected = _reference(hf_model, clf, request)
+        with _route_margins(hf_model) as margins:
+            ids, expected = _reference(hf_model, clf, request)
         for rule in ("actual", "nominal"):  # uniform clip: real times are the nominal ones
             plan = plan_video(request.clip.frames.shape, request.clip.metadata,
                               dataclasses.replace(vision, timestamps=rule))
             ours = family.video_prompt(clf.prompts, request.question, request.options, plan).token_ids
             np.testing.assert_array_equal(ours, ids, err_msg=f"{name} {request.request_id} {rule}")
         assert result.prompt_tokens == len(ids)
-        np.testing.assert_allclose(result.logprobs, expected, atol=1e-4, err_msg=f"{name} {request.request_id}")
-        check_choice(result, expected, (name, request.request_id))
+        try:
+            np.testing.assert_allclose(result.logprobs, expected, atol=1e-4, err_msg=f"{name} {request.request_id}")
+            check_choice(result, expected, (name, request.request_id))
+        except AssertionError:
+            if min(margins, default=float("inf")) >= ROUTE_TIE:
+                raise
+            excused.append((request.request_id, min(margins)))   # a routing near-tie: they may rightly differ
+            continue
         worst = max(worst, float(np.abs(np.array(result.logprobs) - expected).max()))
     spread = max(float(np.ptp(r.logprobs)) for r in results)
     assert spread > 1e-2, f"option log-probs nearly uniform (spread {spread}); the check would be weak"
-    print(f"{name}: worst |dlogprob| = {worst:.2e}")
+    assert len(excused) <= 2, f"{name}: outputs differ at routing near-ties in {excused}: too many to be chance"
+    print(f"{name}: worst |dlogprob| = {worst:.2e}; differing at a routing near-tie: {excused}")
 
 
 def test_clip_budget_resize_matches_transformers(rng):
