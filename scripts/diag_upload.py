@@ -1,0 +1,67 @@
+"""Diagnostic: what handing one clip's patch bytes to the engine costs on an MLX CUDA device, and where.
+
+MLX's CUDA allocator hands out managed (unified) memory: `mx.array(numpy)` writes the bytes on the host, and the
+first kernel that reads them migrates the pages to the GPU on demand. This times, per clip-sized upload, the host
+write alone, the first device read (the migration), a second read of the same array (no migration), and, for
+scale, the same bytes as a pinned-host to device copy in torch.
+
+    python3 scripts/diag_upload.py [--mib 9.6] [--repeats 20]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=float, default=9.6, help="bytes per upload (a Qwen3-VL 16-frame clip: 9.6)")
+    ap.add_argument("--repeats", type=int, default=20)
+    a = ap.parse_args()
+    import mlx.core as mx
+    import numpy as np
+
+    n = int(a.mib * 2**20)
+    rng = np.random.default_rng(0)
+    host = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(4)]
+    rows = {"host_write_ms": [], "first_device_read_ms": [], "second_device_read_ms": [], "total_ms": []}
+    for i in range(a.repeats + 2):
+        t0 = time.perf_counter()
+        x = mx.array(host[i % 4])
+        mx.eval(x)
+        t1 = time.perf_counter()
+        y = x.astype(mx.bfloat16)
+        mx.eval(y)
+        t2 = time.perf_counter()
+        z = (x + 1).astype(mx.bfloat16)
+        mx.eval(z)
+        t3 = time.perf_counter()
+        if i >= 2:
+            for key, v in zip(rows, (t1 - t0, t2 - t1, t3 - t2, t2 - t0)):
+                rows[key].append(v * 1e3)
+        if i == a.repeats + 1 and not np.array_equal(np.array(y.astype(mx.uint8)), host[i % 4]):
+            raise SystemExit("the bytes read on the device are not the bytes uploaded")
+        del x, y, z
+    out = {k: round(statistics.median(v), 3) for k, v in rows.items()}
+    out["gb_per_s_first_read"] = round(n / out["first_device_read_ms"] / 1e6, 2)
+    try:
+        import torch
+
+        pinned = torch.from_numpy(host[0]).pin_memory()
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+        times = []
+        for _ in range(a.repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dev.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        out["torch_pinned_h2d_ms"] = round(statistics.median(times), 3)
+    except Exception as exc:      # no torch or no CUDA: the MLX figures stand alone
+        out["torch_pinned_h2d_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    print(f"{a.mib} MiB per upload, median of {a.repeats}, device {mx.default_device()}: {out}")
+
+
+if __name__ == "__main__":
+    main()
