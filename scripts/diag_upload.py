@@ -3,9 +3,10 @@
 MLX's CUDA allocator hands out managed (unified) memory: `mx.array(numpy)` writes the bytes on the host, and the
 first kernel that reads them migrates the pages to the GPU on demand. This times, per clip-sized upload, the host
 write alone, the first device read (the migration), a second read of the same array (no migration), and, for
-scale, the same bytes as a pinned-host to device copy in torch.
+scale, the same bytes as a pinned-host to device copy in torch. `--prefetch`: each upload's pages sent to the GPU
+right after the array is made, as the engine does.
 
-    python3 scripts/diag_upload.py [--mib 9.6] [--repeats 20]
+    python3 scripts/diag_upload.py [--mib 9.6] [--repeats 20] [--prefetch]
 """
 from __future__ import annotations
 
@@ -18,18 +19,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=float, default=9.6, help="bytes per upload (a Qwen3-VL 16-frame clip: 9.6)")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--prefetch", action="store_true",
+                    help="prefetch each upload to the GPU as the engine does (batchjob.engine.managed_upload)")
     a = ap.parse_args()
     import mlx.core as mx
     import numpy as np
+
+    from batchjob.engine.managed_upload import prefetch_to_gpu
 
     n = int(a.mib * 2**20)
     rng = np.random.default_rng(0)
     host = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(4)]
     rows = {"host_write_ms": [], "first_device_read_ms": [], "second_device_read_ms": [], "total_ms": []}
+    prefetched = 0
     for i in range(a.repeats + 2):
         t0 = time.perf_counter()
         x = mx.array(host[i % 4])
         mx.eval(x)
+        if a.prefetch:
+            prefetched += prefetch_to_gpu(x)
         t1 = time.perf_counter()
         y = x.astype(mx.bfloat16)
         mx.eval(y)
@@ -45,6 +53,8 @@ def main() -> None:
         del x, y, z
     out = {k: round(statistics.median(v), 3) for k, v in rows.items()}
     out["gb_per_s_first_read"] = round(n / out["first_device_read_ms"] / 1e6, 2)
+    if a.prefetch:
+        out["prefetches_queued"] = prefetched
     try:
         import torch
 

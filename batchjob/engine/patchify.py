@@ -70,7 +70,11 @@ def normalize_on_device(patch_bytes: np.ndarray, table: np.ndarray):
     made there (the same table gathered, so the same values)."""
     import mlx.core as mx
 
-    index = mx.array(patch_bytes).astype(mx.uint32) + mx.array(_byte_offsets(patch_bytes.shape[1], len(table)))
+    from .managed_upload import prefetch_to_gpu
+
+    raw = mx.array(patch_bytes)
+    prefetch_to_gpu(raw)      # on CUDA: the pages go up now, not when the gather below faults them in
+    index = raw.astype(mx.uint32) + mx.array(_byte_offsets(patch_bytes.shape[1], len(table)))
     return mx.take(mx.array(table.reshape(-1)), index)
 
 
