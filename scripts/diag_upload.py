@@ -4,9 +4,10 @@ MLX's CUDA allocator hands out managed (unified) memory: `mx.array(numpy)` write
 first kernel that reads them migrates the pages to the GPU on demand. This times, per clip-sized upload, the host
 write alone, the first device read (the migration), a second read of the same array (no migration), and, for
 scale, the same bytes as a pinned-host to device copy in torch. `--prefetch`: each upload's pages sent to the GPU
-right after the array is made, as the engine does.
+right after the array is made, as the engine does. `--behind-matmul N`: each upload made right after one N^3 bf16
+matmul was queued, to see whether making the array waits for the device's queued work.
 
-    python3 scripts/diag_upload.py [--mib 9.6] [--repeats 20] [--prefetch]
+    python3 scripts/diag_upload.py [--mib 9.6] [--repeats 20] [--prefetch] [--behind-matmul 16384]
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--prefetch", action="store_true",
                     help="prefetch each upload to the GPU as the engine does (batchjob.engine.managed_upload)")
+    ap.add_argument("--behind-matmul", type=int, default=0, metavar="N",
+                    help="queue one N x N x N bf16 matmul (one kernel) before each upload")
     a = ap.parse_args()
     import mlx.core as mx
     import numpy as np
@@ -32,13 +35,24 @@ def main() -> None:
     host = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(4)]
     rows = {"host_write_ms": [], "first_device_read_ms": [], "second_device_read_ms": [], "total_ms": []}
     prefetched = 0
+    queued = None
+    if a.behind_matmul:
+        w = mx.random.normal((a.behind_matmul, a.behind_matmul)).astype(mx.bfloat16)
+        mx.eval(w @ w)                 # the matmul's kernel chosen and built before any timing
+        rows["queue_done_after_ms"] = []
     for i in range(a.repeats + 2):
+        if a.behind_matmul:
+            queued = w @ w
+            mx.async_eval(queued)
         t0 = time.perf_counter()
         x = mx.array(host[i % 4])
         mx.eval(x)
         if a.prefetch:
             prefetched += prefetch_to_gpu(x)
         t1 = time.perf_counter()
+        if queued is not None:          # when the work queued before the upload finished, from the same start
+            mx.eval(queued)
+        done = time.perf_counter()
         y = x.astype(mx.bfloat16)
         mx.eval(y)
         t2 = time.perf_counter()
@@ -46,7 +60,8 @@ def main() -> None:
         mx.eval(z)
         t3 = time.perf_counter()
         if i >= 2:
-            for key, v in zip(rows, (t1 - t0, t2 - t1, t3 - t2, t2 - t0)):
+            figures = (t1 - t0, t2 - done, t3 - t2, t1 - t0 + t2 - done) + ((done - t0,) if queued is not None else ())
+            for key, v in zip(rows, figures):
                 rows[key].append(v * 1e3)
         if i == a.repeats + 1 and not np.array_equal(np.array(y.astype(mx.uint8)), host[i % 4]):
             raise SystemExit("the bytes read on the device are not the bytes uploaded")
