@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .kernel_cache import KERNEL_CACHE_ENV, kernel_cache_root
 from .types import EngineError
 
 DEVICES = ("auto", "cpu", "gpu")
@@ -73,13 +74,9 @@ def activate(device: str) -> None:
     mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
 
 
-KERNEL_CACHE_ENV = "MLX_PTX_CACHE_DIR"
-
-
 def kernel_cache_dir(cache_home: str | None = None, architecture: str | None = None) -> Path:
     """Where compiled CUDA kernels are kept: per MLX version and GPU architecture, under the user's cache."""
-    home = Path(cache_home or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return home / "batchjob" / "mlx-cuda-kernels" / mx.__version__ / (architecture or "unknown")
+    return kernel_cache_root(cache_home) / mx.__version__ / (architecture or "unknown")
 
 
 def keep_compiled_kernels() -> Path | None:

@@ -3,17 +3,18 @@ outside, and its figures from the run's own --stats-json."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
+
+from batchjob.engine.kernel_cache import kernel_cache_root
 
 from .disk import count_files, evict_from_page_cache, timed_read
 from .job_inputs import Dataset, user_config
 from .job_models import MODELS
 from .measure import run_measured
 
-KERNEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchjob" / "mlx-cuda-kernels"
+KERNEL_CACHE = kernel_cache_root()     # every engine's compiled kernels (batchjob.engine.device)
 
 # User-path runs besides one per loader: the job's first run on a fresh machine (no compiled kernels, the
 # checkpoint out of the page cache), and the shipped config with an explicit memory budget.

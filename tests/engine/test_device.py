@@ -64,3 +64,23 @@ def test_job_config_device_field_and_fingerprint(tmp_path):
     b = JobConfig(**base, model={"checkpoint": "x", "device": "gpu"})
     assert a.fingerprint() != b.fingerprint()
     assert ConfigError  # the CLI's error type stays importable beside the new field
+
+
+def test_kernel_cache_is_one_tree_and_its_root_needs_no_mlx(tmp_path, monkeypatch):
+    """Engines fill `kernel_cache_dir` (per MLX version and GPU architecture) under the root the benchmark's parent
+    process counts and clears; that process must find the root without importing MLX."""
+    import subprocess
+    import sys
+
+    import mlx.core as mx
+
+    from batchjob.engine.device import kernel_cache_dir
+    from batchjob.engine.kernel_cache import kernel_cache_root
+
+    assert kernel_cache_dir(str(tmp_path), "sm_90") == kernel_cache_root(str(tmp_path)) / mx.__version__ / "sm_90"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernel_cache_root() == tmp_path / "xdg" / "batchjob" / "mlx-cuda-kernels"
+    assert kernel_cache_dir(architecture="sm_90").is_relative_to(kernel_cache_root())
+    code = "import sys, batchjob.engine.kernel_cache as k; k.kernel_cache_root(); print('mlx' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip() == "False"
