@@ -17,12 +17,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from batchjob import openblas
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 out = Console(soft_wrap=True)   # never break a path across lines: users grep logs
 err = Console(stderr=True, soft_wrap=True)
-
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
-NO_PRELOAD_ENV = "BATCHJOB_NO_OPENBLAS"
 
 
 def _bad_config(message: str, label: str = "config error") -> typer.Exit:
@@ -375,8 +374,8 @@ def versions() -> None:
 
     for k, v in collect().items():
         out.print(f"{k:14s} {v}", highlight=False)
-    preloaded = OPENBLAS in os.environ.get("LD_PRELOAD", "").split(":")
-    out.print(f"{'openblas':14s} {'preloaded' if preloaded else 'not preloaded'}", highlight=False)
+    out.print(f"{'openblas':14s} {'preloaded' if openblas.preloaded(os.environ) else 'not preloaded'}",
+              highlight=False)
 
 
 from batchjob.nightly.commands import register as _register_nightly  # noqa: E402
@@ -390,11 +389,13 @@ def _reexec_with_openblas() -> None:
     It must be loaded before the process starts, so re-exec once with LD_PRELOAD set (cron users will
     not set it). BATCHJOB_NO_OPENBLAS=1 opts out.
     """
-    if (not sys.platform.startswith("linux") or os.environ.get(NO_PRELOAD_ENV) == "1"
-            or not os.path.exists(OPENBLAS) or OPENBLAS in os.environ.get("LD_PRELOAD", "").split(":")):
+    if os.environ.get(openblas.NO_PRELOAD_ENV) == "1":
         return
-    env = dict(os.environ, LD_PRELOAD=":".join(p for p in (OPENBLAS, os.environ.get("LD_PRELOAD")) if p))
-    env[NO_PRELOAD_ENV] = "1"   # never loop, whatever happens to LD_PRELOAD
+    env = openblas.with_openblas(os.environ, linux=sys.platform.startswith("linux"),
+                                 openblas_exists=os.path.exists(openblas.OPENBLAS))
+    if env == dict(os.environ):
+        return
+    env[openblas.NO_PRELOAD_ENV] = "1"   # never loop, whatever happens to LD_PRELOAD
     os.execve(sys.executable, [sys.executable, "-m", "batchjob.cli", *sys.argv[1:]], env)
 
 

@@ -82,6 +82,7 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
     import mlx.optimizers as optim
     import numpy as np
 
+    from batchjob import openblas
     from batchjob.demo_model import checkpoint_sha256
     from batchjob.synthetic.tiny_model import write_tiny_checkpoint
     from batchjob.synthetic.trainer import (EnginePrep, accuracy_by_kind, batch_stream, load_for_training, loss,
@@ -149,7 +150,7 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
               "kind_weights": recipe.kind_weights, "lr": recipe.lr, "motion": motion,
               "burst_share": recipe.burst_share, "burst_frames": list(recipe.burst_frames),
               "init_from": None if init_from is None else checkpoint_sha256(Path(init_from)).get("model.safetensors"),
-              "mlx": mx.__version__, "threads": _blas_threads(), "openblas": _openblas_loaded(),
+              "mlx": mx.__version__, "threads": _blas_threads(), "openblas": openblas.preloaded(os.environ),
               "fixed_batch_loss": [round(before, 5), round(after, 5)], "curve": curve}
     if eval_clips:       # every question of every clip: 1200 clips put a kind's accuracy within about +-1%
         eval_rng = np.random.default_rng(seed + 2)
@@ -176,13 +177,8 @@ def train(out: Path, recipe, *, seed: int, steps: int, eval_clips: int, short: b
     return record
 
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 # What OpenBLAS reads for its thread count, first found first.
 BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
-
-
-def _openblas_loaded() -> bool:
-    return OPENBLAS in os.environ.get("LD_PRELOAD", "").split(":")
 
 
 def _blas_threads(environ=os.environ) -> str | None:
@@ -192,25 +188,27 @@ def _blas_threads(environ=os.environ) -> str | None:
 
 def pinned_environment(environ: dict[str, str], *, linux: bool, openblas_exists: bool) -> dict[str, str] | None:
     """The environment to start again in, None where `environ` already is it: the system OpenBLAS preloaded
-    (MLX's Linux CPU wheel's reference BLAS makes training several times slower) and one BLAS thread unless
-    told otherwise. The weights depend on the thread count, so a shell that already preloads OpenBLAS
-    (scripts/env.sh) must train the same model as a fresh one; and a second BLAS thread spins beside the data
-    worker on a 2-core machine and slows every step. `BATCHJOB_NO_OPENBLAS=1` leaves the environment alone."""
-    if environ.get("BATCHJOB_NO_OPENBLAS") == "1":
+    (`batchjob.openblas`) and one BLAS thread unless told otherwise. The weights depend on the thread count, so a
+    shell that already preloads OpenBLAS (scripts/env.sh) must train the same model as a fresh one; and a second
+    BLAS thread spins beside the data worker on a 2-core machine and slows every step. `BATCHJOB_NO_OPENBLAS=1`
+    leaves the environment alone."""
+    from batchjob import openblas
+
+    if environ.get(openblas.NO_PRELOAD_ENV) == "1":
         return None
-    env = dict(environ)
-    if linux and openblas_exists and OPENBLAS not in env.get("LD_PRELOAD", "").split(":"):
-        env["LD_PRELOAD"] = ":".join(p for p in (OPENBLAS, env.get("LD_PRELOAD")) if p)
+    env = openblas.with_openblas(environ, linux=linux, openblas_exists=openblas_exists)
     if _blas_threads(env) is None:
         env["OMP_NUM_THREADS"] = "1"
     if env == dict(environ):
         return None
-    env["BATCHJOB_NO_OPENBLAS"] = "1"        # never loop
+    env[openblas.NO_PRELOAD_ENV] = "1"        # never loop
     return env
 
 
 def _reexec_pinned() -> None:
     """Both settings are read when the process starts (OpenBLAS is preloaded), hence a re-exec."""
+    from batchjob.openblas import OPENBLAS
+
     env = pinned_environment(dict(os.environ), linux=sys.platform.startswith("linux"),
                              openblas_exists=os.path.exists(OPENBLAS))
     if env is not None:
@@ -218,6 +216,6 @@ def _reexec_pinned() -> None:
 
 
 if __name__ == "__main__":
-    _reexec_pinned()
     sys.path.insert(0, str(ROOT))
+    _reexec_pinned()
     raise SystemExit(main())

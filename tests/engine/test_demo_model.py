@@ -92,8 +92,10 @@ def test_training_environment_is_pinned_however_the_shell_started():
     """A fresh shell, one that already preloads OpenBLAS (scripts/env.sh) and one that names its own thread count
     each end in one environment the script trains in; the weights depend on the BLAS thread count, so the
     first two must end in the same one (the recorded rebuild command is the same in both)."""
+    from batchjob.openblas import OPENBLAS as blas
+
     script = _train_script()
-    blas, pinned = script.OPENBLAS, script.pinned_environment
+    pinned = script.pinned_environment
     fresh = pinned({"PATH": "/bin"}, linux=True, openblas_exists=True)
     assert fresh == {"PATH": "/bin", "LD_PRELOAD": blas, "OMP_NUM_THREADS": "1", "BATCHJOB_NO_OPENBLAS": "1"}
     env_sh = pinned({"PATH": "/bin", "LD_PRELOAD": f"{blas}:/lib/other.so"}, linux=True, openblas_exists=True)
