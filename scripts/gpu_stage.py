@@ -11,8 +11,8 @@ Steps: download the wheels (no dependencies resolved: the list below is checked 
 Requires-Dist and the image's package list), install them into a scratch target, drop what a local Ray
 with actors never loads (Java jars, the dashboard's web front end, Ray's libraries for training, tuning,
 serving, data, LLMs and RL, tests, type stubs, Cython headers), strip the native binaries, replace the native
-libraries the GPU machine never calls with stubs (`STUBBED_LIBS`), and pack `<out>/site.tar.xz`. It prints the archive's size beside the other archives under `.gpu/` and the
-checkout, against the 64 MiB a call may carry.
+libraries the GPU machine never calls with stubs (`STUBBED_LIBS`), and pack `<out>/site.tar.xz`. It prints the
+archive's size beside the other archives under `.gpu/` and the checkout, against the 64 MiB a call may carry.
 
     python3 scripts/gpu_stage.py                          # cp312 for the GPU machine -> .gpu/pipeline
     python3 scripts/gpu_stage.py --what mlx               # MLX CUDA (sm_90 only) + mlx-vlm -> .gpu/whl

@@ -14,7 +14,7 @@ import ctypes
 import functools
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ class Prefetcher:
 
     driver: Any                 # the loaded driver library (tests pass a stand-in)
     device: int = 0
-    failed: str | None = field(default=None)
+    failed: str | None = None      # why it stopped asking
 
     def __call__(self, address: int, nbytes: int) -> bool:
         """Prefetch `nbytes` of managed memory at `address` to the GPU; True when the driver took the request."""
