@@ -151,12 +151,13 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
     print(f"[{model_type}] LM prefill {len(distinct)} x {new_len} new tokens in {lm_forwards} forward(s): "
           f"{lm_s:.3f} s ({lm_flops / lm_s / 1e12:.0f} TFLOP/s), mlx-vlm contiguous {c_s:.3f} s", flush=True)
     lap("lm_prefill")
-    profiled = fresh(distinct, "prof")
-    for r in profiled:
-        clf._features.put_clip(r.clip.media_id, ckpt.encode_clip(r.clip.inputs))
-    row["lm_profile"] = profile_lm(clf, profiled, dims, ceiling, inner=args.inner, repeats=args.repeats)
-    for r in profiled:
-        clf._features.release_clip(r.clip.media_id, 0, keep_tail=False)
+    for key, reqs in (("lm_profile", distinct), ("lm_profile_ragged", ragged)):   # equal and ragged prompts
+        profiled = fresh(reqs, "prof")
+        for r in profiled:
+            clf._features.put_clip(r.clip.media_id, ckpt.encode_clip(r.clip.inputs))
+        row[key] = profile_lm(clf, profiled, dims, ceiling, inner=args.inner, repeats=args.repeats)
+        for r in profiled:
+            clf._features.release_clip(r.clip.media_id, 0, keep_tail=False)
     lap("lm_profile")
 
     def whole(reqs, tag):
@@ -243,6 +244,7 @@ def _contiguous_seconds(ckpt, batch: int, length: int, dims: dict, repeats: int)
 def figures(row: dict, ceil_m: float, ceil_t: float) -> dict:
     eng, lm, vis, att = row["engine"], row["lm_prefill"], row["vision"], row["attention"]
     rag, lp, vp = row["lm_prefill_ragged"], row["lm_profile"], row["vision_profile"]
+    rp = row["lm_profile_ragged"]
     fig = {
         "mfu_lm_prefill": lm["engine_tflops"] * 1e12 / ceil_m,
         "mfu_lm_prefill_vs_torch_ceiling": lm["engine_tflops"] * 1e12 / ceil_t,
@@ -275,6 +277,13 @@ def figures(row: dict, ceil_m: float, ceil_t: float) -> dict:
         "lm_outside_layers_share": lp["outside_layers_ms"] / lp["forward_ms"],
         "lm_host_build_share": lp["host_build_ms"] / lp["forward_ms"],
         "lm_host_syncs_in_layers": lp["host_syncs_in_layers"],
+        # the same profile over the ragged batch (8 prompts of different lengths): what its lower MFU is made of
+        "lm_ragged_mfu_forward": rp["mfu_forward"],
+        "lm_ragged_layer_ms": rp["layer_ms"],
+        "lm_ragged_matmul_mfu": (rp["matmul_tflops"] or 0.0) * 1e12 / ceil_m,
+        "lm_ragged_layer_attention_share": rp["categories_ms"]["attention"] / rp["layer_ms"],
+        "lm_ragged_layer_other_share": rp["other_ms"] / rp["layer_ms"],
+        "lm_ragged_sdpa_calls_per_layer": rp["sdpa_calls_per_layer"],
         "vision_blocks_share": vp["blocks_ms"] / vp["engine_tower_ms"],
         "vision_outside_blocks_share": vp["outside_blocks_ms"] / vp["engine_tower_ms"],
         "vision_other_share": vp["other_ms"] / vp["engine_tower_ms"],

@@ -74,7 +74,16 @@ def gather_heads_major(cache: mx.array, tables: np.ndarray, length: int, dtype: 
         kv = cache[first : first + num_blocks].reshape(1, num_blocks * bs, hkv, d)[:, :length]
         kv = kv.transpose(0, 2, 1, 3).astype(dtype)
         return mx.contiguous(kv) if contiguous else kv
-    return mx.take(cache.reshape(nb * bs * hkv, d), plan, axis=0).astype(dtype)
+    return take_rows(cache.reshape(nb * bs * hkv, d), plan).astype(dtype)
+
+
+def take_rows(x: mx.array, indices: mx.array) -> mx.array:
+    """`mx.take(x, indices, axis=0)` of a row-contiguous `x` (else it is copied first), its rows moved as 64-bit
+    words where their bytes allow: the same bits, a quarter of the elements for a half-precision row (MLX's GPU
+    gather moves one element per thread)."""
+    if (x.shape[-1] * x.dtype.size) % 8:
+        return mx.take(x, indices, axis=0)
+    return mx.take(x.view(mx.uint64), indices, axis=0).view(x.dtype)
 
 
 def _memo(meta: AttentionMetadata, key: tuple, build):
@@ -119,13 +128,13 @@ def _call_keys(call: SdpaCall, index: int, plan_key: tuple, k_cache, v_cache, me
 
 
 def planned_attention(meta: AttentionMetadata, query_chunk: int, group_rows: int,
-                      pad_slack: float = PAD_SLACK, fold: bool = False) -> AttentionPlan:
+                      pad_slack: float = PAD_SLACK, fold: bool = False, solo_rows: int | None = None) -> AttentionPlan:
     """`plan_attention` for this forward pass, built by the first layer and shared by every other one."""
-    return _memo(meta, ("attention_plan", query_chunk, group_rows, pad_slack, fold),
+    return _memo(meta, ("attention_plan", query_chunk, group_rows, pad_slack, fold, solo_rows),
                  lambda: plan_attention(meta.cu_seqlens_q_host, meta.context_lens_host, query_chunk=query_chunk,
                                         group_rows=group_rows, pad_slack=pad_slack,
                                         block_tables=meta.block_tables_host if fold else None,
-                                        block_size=meta.block_size))
+                                        block_size=meta.block_size, solo_rows=solo_rows))
 
 
 def paged_attention(
@@ -140,6 +149,7 @@ def paged_attention(
     pad_slack: float = PAD_SLACK,
     contiguous_kv: bool = True,
     fold_followers: bool = False,
+    solo_rows: int | None = None,
     new_kv: tuple[mx.array, mx.array] | None = None,
 ) -> mx.array:
     """Attention of the packed new tokens `q [T, Hq, D]` over each sequence's cached + new KV -> `[T, Hq, D]`.
@@ -155,6 +165,7 @@ def paged_attention(
     written to the caches) lets sequences with nothing cached read their keys without a gather. `contiguous_kv`
     copies K/V views for the CPU's unfused SDPA (see `gather_heads_major`). `fold_followers` folds the
     followers of a clip into one call over their shared cached context, gathered once (`attention_plan`).
+    `solo_rows`: prompts of at least that many rows are never padded into a group (`plan_attention`).
     Python-level work uses the host copies in `meta`, so this stays lazy.
     """
     check_attention_inputs(q, k_cache, v_cache, meta)
@@ -165,8 +176,8 @@ def paged_attention(
         raise ValueError(f"paged_attention: new_kv must be K and V [num_tokens={meta.num_tokens}, {hkv}, {d}], got "
                          f"{[x.shape for x in new_kv]}")
     rows = query_chunk if group_rows is None else group_rows
-    plan = planned_attention(meta, query_chunk, rows, pad_slack, fold_followers)
-    plan_key = ("attention_plan", query_chunk, rows, pad_slack, fold_followers)
+    plan = planned_attention(meta, query_chunk, rows, pad_slack, fold_followers, solo_rows)
+    plan_key = ("attention_plan", query_chunk, rows, pad_slack, fold_followers, solo_rows)
     hq = q.shape[1]
     fresh = None
     if new_kv is not None:  # the values the cache holds (cast to its dtype), then to the compute dtype, as a read
@@ -188,6 +199,6 @@ def paged_attention(
         o = mx.fast.scaled_dot_product_attention(q_g, k, v, scale=scale, mask=mask)  # [batch, Hq, q_len, D]
         pieces.append(o.transpose(0, 2, 1, 3).reshape(call.batch * call.q_len, hq, d))
     out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
-    if plan.inverse is not None:
-        out = mx.take(out, _memo(meta, plan_key + ("inverse",), lambda: mx.array(plan.inverse)), axis=0)
+    if plan.inverse is not None:   # the pieces are row-contiguous (concatenated, or SDPA's output reshaped)
+        out = take_rows(out, _memo(meta, plan_key + ("inverse",), lambda: mx.array(plan.inverse)))
     return out

@@ -42,6 +42,7 @@ def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cache
 
     from batchjob.metal_backend import paged_attention
     from batchjob.metal_backend.probe import make_ragged_batch
+    from batchjob.metal_backend.attention_plan import AttentionPlan
 
     hq, hkv, d = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
     block_size = 16
@@ -72,7 +73,7 @@ def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cache
         row["engine_attention_first_call_ms"] = (time.perf_counter() - t0) * 1e3
         row["engine_attention_ms"] = bench(lambda: engine(True))
         row["engine_attention_planned_ms"] = bench(lambda: engine(False))
-        plans = [v for k, v in b.meta.plan_cache.items() if k[0] == "attention_plan" and len(k) == 5]
+        plans = [v for v in b.meta.plan_cache.values() if isinstance(v, AttentionPlan)]
         if plans:
             row["engine_attention_sdpa_calls"] = plans[0].num_calls
             row["engine_attention_folded_calls"] = sum(c.key_slots is not None for c in plans[0].calls)

@@ -102,6 +102,7 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
     from batchjob.engine.attention import AttentionContext, attention_context, fused_qk_norm_rope, rotate_qk
     from batchjob.engine.fused_ops import pairs_suit, split_tables, swiglu_halves
     from batchjob.metal_backend import write_kv
+    from batchjob.metal_backend.attention_plan import AttentionPlan
 
     lm, cache = clf.checkpoint.model.language_model, clf.kv_cache
     layer = lm.model.layers[0]
@@ -147,14 +148,18 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
             q, k = rotate_qk(q, k, c, s, tables, stacked=qkv)
         mx.eval(q, k, v)
 
-        def kv_write():   # in place, as the layer writes it (the old arrays are released, so no copy)
-            cache.k[0], cache.v[0] = write_kv(cache.k[0], cache.v[0], k, v, meta)
-            return [cache.k[0], cache.v[0]]
+        written = iter(range(1 << 30))
 
-        steps["kv_write"] = time_(kv_write, 1)
+        def kv_write():   # in place, as the layer writes it: each queued call another layer's cache, whose old
+            # array nothing else holds (see _cycling_cache_layers), so no call copies a whole cache layer
+            i = next(written) % len(cache.k)
+            cache.k[i], cache.v[i] = write_kv(cache.k[i], cache.v[i], k, v, meta)
+            return [cache.k[i], cache.v[i]]
+
+        steps["kv_write"] = time_(kv_write)
         clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v))   # plan built once
         steps["attention"] = time_(lambda: clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v)))
-        plans = [p for key, p in meta.plan_cache.items() if key[0] == "attention_plan"]
+        plans = [p for p in meta.plan_cache.values() if isinstance(p, AttentionPlan)]
         if plans:
             out["sdpa_calls_per_layer"] = plans[0].num_calls
         a = clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v)).reshape(1, t, -1)
@@ -176,7 +181,28 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
             del gu, act
         else:   # a MoE block (or unfused MLP): timed whole, as matmuls
             steps["mlp_gate_up"] = time_(lambda: mlp(hn))
-        whole = time_(lambda: layer(x, None, None, None, (cos, sin)))
+        num_layers = len(lm.model.layers)
+        whole = time_(_cycling_cache_layers(layer, num_layers, lambda: layer(x, None, None, None, (cos, sin))))
     out["steps_ms"] = steps
     out["layer_ms"] = whole
     return whole
+
+
+def _cycling_cache_layers(layer, num_layers: int, call):
+    """`call` with the layer's KV write aimed at the next layer's cache each time (then back at its own).
+
+    Why: calls queued together would otherwise each write layer 0's cache, and the attention of one call still
+    holds the array the next call's write takes as input, so MLX copies the whole cache layer (hundreds of MB)
+    in every call: time the real forward never spends, since it writes each layer's cache once."""
+    attn = layer.self_attn
+    counter = iter(range(1 << 30))
+
+    def cycled():
+        own = attn.layer_index
+        attn.layer_index = next(counter) % num_layers
+        try:
+            return call()
+        finally:
+            attn.layer_index = own
+
+    return cycled

@@ -100,6 +100,9 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path):
         assert set(lp["categories_ms"]) == {"matmuls", "attention", "norms", "rotary", "kv_write", "elementwise"}
         assert lp["steps_ms"]["attention"] > 0 and lp["tokens"] == row["lm_prefill"]["tokens"]
         assert row["lm_prefill"]["tokens"] == row["lm_prefill"]["mlx_vlm_contiguous_tokens"]   # like for like
+        rp = row["lm_profile_ragged"]   # the ragged batch profiled as the equal one: the same prompts' new tokens
+        assert rp["tokens"] == sum(row["lm_prefill_ragged"]["prompt_tokens"]) and rp["steps_ms"]["attention"] > 0
+        assert figures[("" if model_type == "qwen2_5_vl" else "qwen3_vl.") + "lm_ragged_sdpa_calls_per_layer"] >= 1
         assert vp["block_kinds"] and vp["steps_ms"]["patch_embed"] > 0
         assert row["attention"]["follower"]["engine_attention_sdpa_calls"] >= 1
         tl = row["engine"]["timeline"]   # the step timeline: one entry per step, device work a share of the run
