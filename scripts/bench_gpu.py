@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import gc
 import sys
 import tempfile
@@ -130,17 +129,6 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
     runs = [lm_only(distinct, f"lm{i}") for i in range(args.repeats)]
     lm_forwards = runs[-1][2]
     r_runs = [lm_only(ragged, f"rg{i}") for i in range(args.repeats)]
-    # the baseline in the same run: the same ragged prompts with every one padded into groups (the plan before
-    # GPU_SOLO_ROWS), where the engine's attention takes that setting
-    keywords = getattr(clf._attention, "keywords", {})
-    padded_s = None
-    if keywords.get("solo_rows") is not None:
-        solo, clf._attention = clf._attention, functools.partial(clf._attention.func, **{**keywords, "solo_rows": None})
-        try:
-            lm_only(ragged, "rgpwarm")
-            padded_s = median([lm_only(ragged, f"rgp{i}")[0] for i in range(args.repeats)])
-        finally:
-            clf._attention = solo
     # The engine computes each prompt but its cached text prefix (the system prompt's full blocks, the same for
     # every clip); mlx-vlm's contiguous forward runs over the same number of new tokens per request.
     lm_s, done = median([t for t, _, _ in runs]), runs[0][1]
@@ -159,7 +147,7 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
     p_s = _contiguous_seconds(ckpt, len(ragged), max(r_lens), dims, args.repeats)
     row["lm_prefill_ragged"] = {"requests": len(ragged), "prompt_tokens": r_lens, "flops": r_flops, "engine_s": r_s,
                                 "engine_tflops": r_flops / r_s / 1e12, "mlx_vlm_padded_s": p_s,
-                                "mlx_vlm_padded_tokens": len(ragged) * max(r_lens), "engine_s_all_padded": padded_s}
+                                "mlx_vlm_padded_tokens": len(ragged) * max(r_lens)}
     print(f"[{model_type}] LM prefill {len(distinct)} x {new_len} new tokens in {lm_forwards} forward(s): "
           f"{lm_s:.3f} s ({lm_flops / lm_s / 1e12:.0f} TFLOP/s), mlx-vlm contiguous {c_s:.3f} s", flush=True)
     lap("lm_prefill")
@@ -264,7 +252,6 @@ def figures(row: dict, ceil_m: float, ceil_t: float) -> dict:
         "lm_paged_vs_mlx_vlm_contiguous": lm["mlx_vlm_contiguous_s"] / lm["engine_s"],
         "mfu_lm_prefill_ragged": rag["engine_tflops"] * 1e12 / ceil_m,
         "lm_paged_vs_mlx_vlm_padded_ragged": rag["mlx_vlm_padded_s"] / rag["engine_s"],
-        "lm_ragged_vs_all_padded": (rag["engine_s_all_padded"] or rag["engine_s"]) / rag["engine_s"],
         "mfu_vision": vis["tflops"] * 1e12 / ceil_m,
         "mfu_vision_vs_torch_ceiling": vis["tflops"] * 1e12 / ceil_t,
         "mfu_vision_one_clip_synced": vis["flops_per_clip"] / (vis["ms_per_clip_alone"] / 1e3) / ceil_m,

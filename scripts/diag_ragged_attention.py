@@ -1,13 +1,13 @@
 """Diagnostic: where one layer's attention time goes on a ragged batch (prompts of different lengths over a shared
 cached system-prompt block), piece by piece, on the device MLX runs on.
 
-Planned with every prompt padded into groups (`pad_slack`), such a batch makes padded SDPA calls: each call's
-query rows gathered (`mx.take`), its keys gathered from the paged cache, the outputs concatenated and put back
-in token order with another `mx.take`. MLX's CUDA gather moves one element per thread, two bytes at a time for
-bf16. This times the engine's attention (`gpu_portable_attention`) and the same plan with prompts of at least
-N rows in calls of their own (`--solo-rows`), every prompt alone, then each piece of the padded plan alone, and
-its gathers done on 64-bit words of the same bytes. Lengths: bench_gpu's ragged batch (Qwen2.5-VL-7B or
-Qwen3-VL-8B head shapes) or `--lengths`.
+The engine's plan pads such prompts into groups (`pad_slack`): each call's query rows gathered (`mx.take`), its
+keys gathered from the paged cache, the outputs concatenated and put back in token order with another gather.
+MLX's CUDA gather moves one element per thread, two bytes at a time for bf16. This times the engine's attention
+(`gpu_portable_attention`), every prompt in a call of its own instead (query rows a view, nothing padded), both
+alone and queued behind a layer's gate/up GEMM (as a forward queues them), then each piece of the engine's plan
+alone, and its gathers done as `mx.take` of bf16 elements against 64-bit words of the same bytes (`take_rows`).
+Lengths: bench_gpu's ragged batch (Qwen2.5-VL-7B or Qwen3-VL-8B head shapes) or `--lengths`.
 
     python3 scripts/diag_ragged_attention.py [--model qwen2_5_vl|qwen3_vl] [--repeats 5] [--small] [--json F]
 """
@@ -41,8 +41,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="short prompts (a CPU smoke run)")
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="other prompt lengths (new tokens)")
-    ap.add_argument("--solo-rows", type=int, nargs="+", default=[128, 256, 512, 1 << 20],
-                    help="the engine's plan timed with each of these GPU_SOLO_ROWS (1048576: never solo)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     import mlx.core as mx
@@ -66,7 +64,7 @@ def main() -> None:
     mx.eval(qk, new_kv)
     attention = gpu_portable_attention(dtype)
     scale = d ** -0.5
-    plan = planned_attention(b.meta, GPU_QUERY_CHUNK, GPU_GROUP_ROWS, fold=True)   # as it was: every prompt padded
+    plan = planned_attention(b.meta, GPU_QUERY_CHUNK, GPU_GROUP_ROWS, fold=True)   # the engine's plan
     time_ = lambda fn: ms_per_call(fn, inner=10, repeats=a.repeats)  # noqa: E731
     row: dict = {"model": a.model, "q_lens": q_lens, "prefix": PREFIX, "heads": [hq, hkv, d], "dtype": str(dtype),
                  "calls": [{"seqs": len(c.seqs), "q_len": c.q_len, "k_len": c.k_len, "q_view": c.q_start is not None}
@@ -77,17 +75,15 @@ def main() -> None:
     x, w = (mx.random.normal(shape).astype(dtype) for shape in ((t, 4096), (4096, 12288)))
     mx.eval(x, w)
     row["matmul_ms"] = time_(lambda: x @ w)
-    for solo in a.solo_rows:   # the same plan with prompts of at least `solo` rows in calls of their own
-        def solo_call(solo=solo):
-            return paged_attention(q, b.k_cache, b.v_cache, b.meta, scale, query_chunk=GPU_QUERY_CHUNK,
-                                   group_rows=GPU_GROUP_ROWS, contiguous_kv=False, fold_followers=True,
-                                   solo_rows=solo, new_kv=new_kv)
-        row[f"engine_solo_{solo}_ms"] = time_(solo_call)
-        row[f"engine_solo_{solo}_behind_matmul_ms"] = time_(lambda: [x @ w, solo_call()]) - row["matmul_ms"]
+    row["engine_behind_matmul_ms"] = time_(lambda: [x @ w, attention(q, b.k_cache, b.v_cache, b.meta, scale,
+                                                                      new_kv=new_kv)]) - row["matmul_ms"]
     # the alternative plan: every prompt its own call (query rows a view, nothing padded, outputs in token order)
-    row["engine_per_sequence_ms"] = time_(lambda: paged_attention(
-        q, b.k_cache, b.v_cache, b.meta, scale, query_chunk=GPU_QUERY_CHUNK, group_rows=1, contiguous_kv=False,
-        new_kv=new_kv))
+    def per_sequence():
+        return paged_attention(q, b.k_cache, b.v_cache, b.meta, scale, query_chunk=GPU_QUERY_CHUNK, group_rows=1,
+                               contiguous_kv=False, new_kv=new_kv)
+
+    row["engine_per_sequence_ms"] = time_(per_sequence)
+    row["engine_per_sequence_behind_matmul_ms"] = time_(lambda: [x @ w, per_sequence()]) - row["matmul_ms"]
 
     # the pieces, as the plan makes them
     nb, bs = b.k_cache.shape[:2]

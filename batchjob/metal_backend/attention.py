@@ -128,13 +128,13 @@ def _call_keys(call: SdpaCall, index: int, plan_key: tuple, k_cache, v_cache, me
 
 
 def planned_attention(meta: AttentionMetadata, query_chunk: int, group_rows: int,
-                      pad_slack: float = PAD_SLACK, fold: bool = False, solo_rows: int | None = None) -> AttentionPlan:
+                      pad_slack: float = PAD_SLACK, fold: bool = False) -> AttentionPlan:
     """`plan_attention` for this forward pass, built by the first layer and shared by every other one."""
-    return _memo(meta, ("attention_plan", query_chunk, group_rows, pad_slack, fold, solo_rows),
+    return _memo(meta, ("attention_plan", query_chunk, group_rows, pad_slack, fold),
                  lambda: plan_attention(meta.cu_seqlens_q_host, meta.context_lens_host, query_chunk=query_chunk,
                                         group_rows=group_rows, pad_slack=pad_slack,
                                         block_tables=meta.block_tables_host if fold else None,
-                                        block_size=meta.block_size, solo_rows=solo_rows))
+                                        block_size=meta.block_size))
 
 
 def paged_attention(
@@ -149,7 +149,6 @@ def paged_attention(
     pad_slack: float = PAD_SLACK,
     contiguous_kv: bool = True,
     fold_followers: bool = False,
-    solo_rows: int | None = None,
     new_kv: tuple[mx.array, mx.array] | None = None,
 ) -> mx.array:
     """Attention of the packed new tokens `q [T, Hq, D]` over each sequence's cached + new KV -> `[T, Hq, D]`.
@@ -165,7 +164,6 @@ def paged_attention(
     written to the caches) lets sequences with nothing cached read their keys without a gather. `contiguous_kv`
     copies K/V views for the CPU's unfused SDPA (see `gather_heads_major`). `fold_followers` folds the
     followers of a clip into one call over their shared cached context, gathered once (`attention_plan`).
-    `solo_rows`: prompts of at least that many rows are never padded into a group (`plan_attention`).
     Python-level work uses the host copies in `meta`, so this stays lazy.
     """
     check_attention_inputs(q, k_cache, v_cache, meta)
@@ -176,8 +174,8 @@ def paged_attention(
         raise ValueError(f"paged_attention: new_kv must be K and V [num_tokens={meta.num_tokens}, {hkv}, {d}], got "
                          f"{[x.shape for x in new_kv]}")
     rows = query_chunk if group_rows is None else group_rows
-    plan = planned_attention(meta, query_chunk, rows, pad_slack, fold_followers, solo_rows)
-    plan_key = ("attention_plan", query_chunk, rows, pad_slack, fold_followers, solo_rows)
+    plan = planned_attention(meta, query_chunk, rows, pad_slack, fold_followers)
+    plan_key = ("attention_plan", query_chunk, rows, pad_slack, fold_followers)
     hq = q.shape[1]
     fresh = None
     if new_kv is not None:  # the values the cache holds (cast to its dtype), then to the compute dtype, as a read

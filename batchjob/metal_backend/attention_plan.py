@@ -123,18 +123,6 @@ def padded_groups(lengths: Sequence[int], prefix: int, *, pad_slack: float, grou
     return groups
 
 
-def view_runs(seqs: Sequence[int], q_lens: np.ndarray) -> list[list[int]]:
-    """`seqs` (batch indices, ascending) split into runs of neighbours in the batch with equal query lengths: each
-    run's query rows are one contiguous stretch of the packed tokens, so its call reads them as a view."""
-    runs: list[list[int]] = []
-    for s in seqs:
-        if runs and s == runs[-1][-1] + 1 and q_lens[s] == q_lens[runs[-1][0]]:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
-    return runs
-
-
 def decode_groups(context_lens: Sequence[int], slack: float = DECODE_SLACK) -> list[list[int]]:
     """Group one-token sequences (given by index) into batches whose padded keys stay within `slack`.
 
@@ -275,7 +263,7 @@ def _call(seqs, q_first, q_count, k_len: int, cu: np.ndarray, ctx: np.ndarray, p
 
 def plan_attention(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, *, query_chunk: int, group_rows: int,
                    pad_slack: float = PAD_SLACK, block_tables: np.ndarray | None = None,
-                   block_size: int = 0, solo_rows: int | None = None) -> AttentionPlan:
+                   block_size: int = 0) -> AttentionPlan:
     """The SDPA calls for a packed batch (host arrays of `AttentionMetadata`).
 
     - with `block_tables` (and `block_size`): followers with at most FOLD_MAX_Q new tokens whose cached full
@@ -283,11 +271,7 @@ def plan_attention(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, *, query_
     - one-token sequences (two or more): `decode_groups`, keys padded to each group's longest context, masked;
     - sequences longer than `query_chunk` rows: alone, in chunks of rows, each against only the keys its last
       row can see (bounds the score matrix of unfused SDPA and skips the masked half of a fresh prompt);
-    - the rest: grouped by cached prefix length and padded at the end (`padded_groups`), causal, no mask; with
-      `solo_rows`, sequences of at least that many rows are never padded: each runs alone, or with its
-      neighbours in the batch of the same length and prefix (`view_runs`), its query rows a view. (On a GPU,
-      gathering a padded group's query rows and putting its output rows back in order costs more than the
-      fixed cost of the calls it saves once a prompt has a few hundred rows: docs/cuda_kernels.md.)
+    - the rest: grouped by cached prefix length and padded at the end (`padded_groups`), causal, no mask.
     """
     if query_chunk < 1 or group_rows < 1 or pad_slack < 1:
         raise ValueError(f"plan_attention: query_chunk ({query_chunk}) and group_rows ({group_rows}) must be "
@@ -327,15 +311,6 @@ def plan_attention(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, *, query_
     short = [int(s) for s in rest if q_lens[s] <= query_chunk]
     for p in sorted({int(prefix[s]) for s in short}):
         members = [s for s in short if prefix[s] == p]
-        solo = [] if solo_rows is None else [s for s in members if q_lens[s] >= solo_rows]
-        for run in view_runs(solo, q_lens):
-            q_len = int(q_lens[run[0]])
-            width = max(1, group_rows // q_len)   # sequences per call within group_rows
-            for i in range(0, len(run), width):
-                seqs = np.array(run[i:i + width])
-                calls.append(_call(seqs, cu[seqs], q_lens[seqs], p + q_len, cu, ctx, prefix,
-                                   "causal" if q_len > 1 else None))
-        members = [s for s in members if s not in set(solo)]
         for group in padded_groups([int(q_lens[s]) for s in members], p, pad_slack=pad_slack, group_rows=group_rows):
             seqs = np.array([members[i] for i in group])
             q_len = int(q_lens[seqs].max())

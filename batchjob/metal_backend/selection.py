@@ -128,18 +128,15 @@ def select_attention_backend(
 
 GPU_QUERY_CHUNK = 4096  # query rows per SDPA call on a GPU in half precision (see gpu_portable_attention)
 GPU_GROUP_ROWS = 1 << 16  # query rows of one grouped SDPA call there: above any forward pass's token budget
-GPU_SOLO_ROWS = 1024  # prompts of this many rows or more are never padded into a group there (`plan_attention`)
 
 
 def gpu_portable_attention(dtype: mx.Dtype) -> AttentionFn:
     """The portable path tuned for a GPU: in bf16/fp16 MLX's SDPA is a fused kernel (cuDNN on CUDA) that never
     materialises the score matrix, so the 512-row query chunks that bound CPU memory only add launches, a
     grouped call may hold the whole batch, K/V views are read as they are (no copy), and the followers of a
-    clip are folded into one call over their shared context (read once, not once per follower); a prompt of a
-    few hundred rows or more gets its own call, its rows a view (`GPU_SOLO_ROWS`): padding it into a group costs
-    two gathers of its rows, more than the call saved; fp32 falls back to unfused ops there, so it keeps the
-    CPU's settings."""
+    clip are folded into one call over their shared context (read once, not once per follower); fp32 falls
+    back to unfused ops there, so it keeps the CPU's settings."""
     if dtype in (mx.bfloat16, mx.float16):
         return functools.partial(paged_attention, query_chunk=GPU_QUERY_CHUNK, group_rows=GPU_GROUP_ROWS,
-                                 contiguous_kv=False, fold_followers=True, solo_rows=GPU_SOLO_ROWS)
+                                 contiguous_kv=False, fold_followers=True)
     return paged_attention

@@ -18,8 +18,6 @@ SETTINGS = {  # the CPU's defaults, the GPU's (bf16) settings, and small chunks 
     "cpu": dict(),
     "gpu": dict(query_chunk=4096, group_rows=1 << 16, contiguous_kv=False, fold_followers=True),
     "tight": dict(query_chunk=24, group_rows=40, fold_followers=True),
-    # prompts of 8 rows or more in calls of their own (as GPU_SOLO_ROWS does for long prompts on a GPU)
-    "solo": dict(query_chunk=4096, group_rows=1 << 16, contiguous_kv=False, fold_followers=True, solo_rows=8),
 }
 
 
@@ -90,7 +88,7 @@ def test_grouped_attention_matches_dense_per_sequence_reference(rng, dense_refer
     assert np.abs(np.array(out) - np.array(per_sequence)).max() < 1e-5
 
 
-def check_plan(plan, q_lens, cached, *, query_chunk, group_rows, pad_slack=PAD_SLACK, solo_rows=None):
+def check_plan(plan, q_lens, cached, *, query_chunk, group_rows, pad_slack=PAD_SLACK):
     """Invariants every plan must keep, checked from the calls alone."""
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     seen = np.concatenate([c.out_tokens[c.out_tokens >= 0] for c in plan.calls])
@@ -132,10 +130,6 @@ def check_plan(plan, q_lens, cached, *, query_chunk, group_rows, pad_slack=PAD_S
             for s, k in zip(c.seqs, keys):
                 assert np.all((k >= cu[s]) & (k < cu[s + 1]))
         assert max(q_lens[s] for s in c.seqs) <= query_chunk or c.n == 1
-        if solo_rows is not None and c.mask != "keys" and max(q_lens[s] for s in c.seqs) >= solo_rows:
-            # never padded: alone, or neighbours of one length whose query rows are one view
-            assert c.padded_rows == 0 and c.q_start is not None and len({q_lens[s] for s in c.seqs}) == 1
-            assert list(c.seqs) == list(range(c.seqs[0], c.seqs[0] + c.n))
 
 
 @pytest.mark.parametrize("trial", range(20))
@@ -146,10 +140,9 @@ def test_plan_invariants_on_random_batches(rng, trial):
     cached = [int(rng.choice(prefixes)) for _ in range(n)]
     query_chunk, group_rows = int(rng.choice([64, 512, 4096])), int(rng.choice([1, 512, 1 << 16]))
     group_rows = max(group_rows, 1)
-    solo_rows = [None, 2, 40, 300][trial % 4]
     plan = plan_attention(np.concatenate([[0], np.cumsum(q_lens)]), np.add(q_lens, cached), query_chunk=query_chunk,
-                          group_rows=group_rows, solo_rows=solo_rows)
-    check_plan(plan, q_lens, cached, query_chunk=query_chunk, group_rows=group_rows, solo_rows=solo_rows)
+                          group_rows=group_rows)
+    check_plan(plan, q_lens, cached, query_chunk=query_chunk, group_rows=group_rows)
 
 
 def test_plan_shapes_for_the_engines_cases():
@@ -170,16 +163,6 @@ def test_plan_shapes_for_the_engines_cases():
     assert mixed.num_calls == 3  # the fresh pair, the followers, the one-token pair
     assert plan([100, 50], [0, 0]).num_calls == 2  # 2x the real work if padded: above PAD_SLACK
     assert plan([16] * 8, [0] * 8, group_rows=64).num_calls == 2  # 4 sequences of 16 rows per call
-    # GPU_SOLO_ROWS: long prompts of different lengths (a step's new clips) each in a call of their own, query
-    # rows a view, outputs already in token order; short ones still padded together; equal neighbours share a view
-    lengths = [2119, 1863, 1607, 1351, 1095, 839, 2119, 1863]
-    alone = plan(lengths, [16] * 8, solo_rows=1024)
-    assert alone.inverse is None and all(c.padded_rows == 0 and c.q_start is not None for c in alone.calls)
-    assert sorted(len(c.seqs) for c in alone.calls) == [1] * 8
-    padded = plan(lengths, [16] * 8)
-    assert padded.num_calls == 3 and padded.inverse is not None and sum(c.padded_rows for c in padded.calls) > 0
-    shared = plan([2135] * 4 + [300, 280], [16] * 6, solo_rows=1024)
-    assert [(c.n, c.q_start) for c in shared.calls] == [(4, 0), (2, None)]
 
 
 def test_padded_groups_partition_and_bound_padding(rng):
