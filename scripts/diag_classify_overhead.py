@@ -1,0 +1,129 @@
+"""Diagnostic: what one engine call costs beyond its forward pass, call by call.
+
+bench_gpu's LM prefill of a ragged batch (eight prompts of different lengths, their vision features already
+computed) took 35-56 ms more per `classify` call than the same forward repeated alone, and its median moved by
+10% from machine to machine. This builds bench_gpu's model (random weights in the published shape), then runs
+`--calls` calls of the equal batch and of the ragged batch in turn, each under fresh media ids, timing in every
+call: preparing the requests, scheduling, the vision rows, the forward (graph build to logits on the host), and
+the rest; Python's garbage collections during the call are counted. The forward alone, repeated over one
+scheduled batch, is the reference. `--gc-off`: the same with the collector disabled.
+
+    python3 scripts/diag_classify_overhead.py [--model qwen3_vl] [--calls 8] [--gc-off] [--smoke] [--json F]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PHASES = ("prepare", "schedule", "video_rows", "forward")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("qwen2_5_vl", "qwen3_vl"), default="qwen3_vl")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the published depth)")
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--gc-off", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="the small shape on the CPU (tests)")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    import mlx.core as mx
+    import numpy as np
+
+    from batchjob.engine import classifier as classifier_module
+    from batchjob.engine import runner
+    from batchjob.engine.scheduler import Scheduler
+    from batchjob.synthetic.random_engine import SHAPES
+    from benchlib.profile_lm import _one_forward_batch
+    from benchlib.workload import build_model, fresh, make_workload
+
+    dims = dict(SHAPES[a.model][1 if a.smoke else 0])
+    frames, size = (4, (56, 56)) if a.smoke else (16, (448, 448))
+    engine = dict(device="auto" if a.smoke else "gpu", max_model_len=8192, memory_budget_gb=None,
+                  max_num_batched_tokens="auto")
+    tmp = Path(tempfile.mkdtemp(prefix="bj-overhead-"))
+    bench = build_model(a.model, dims, a.layers or dims["layers"], dims["v_depth"], frames, size, tmp,
+                        "float32" if a.smoke else "bfloat16", engine)
+    clf, ckpt = bench.classifier, bench.checkpoint
+    rng = np.random.default_rng(0)
+    batches = {"equal": make_workload(bench, rng, 8, 1, frames, size, "eq"), "ragged": []}
+    for i in range(8):
+        batches["ragged"] += make_workload(bench, rng, 1, 1, max(2, frames - 2 * (i % 6)), size, f"rg{i}")
+
+    phase_s: dict = {}
+
+    def timed(name, fn):
+        def wrapped(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phase_s[name] = phase_s.get(name, 0.0) + time.perf_counter() - t0
+        return wrapped
+
+    collections = [0]
+    gc.callbacks.append(lambda phase, info: collections.__setitem__(0, collections[0] + (phase == "start")))
+    clf._prepare = timed("prepare", clf._prepare)
+    clf._video_rows = timed("video_rows", clf._video_rows)
+    Scheduler.schedule = timed("schedule", Scheduler.schedule)
+    classifier_module.forward = timed("forward", classifier_module.forward)
+    if a.gc_off:
+        gc.disable()
+    report: dict = {"model": a.model, "gc_off": a.gc_off, "calls": a.calls}
+    for name, reqs in batches.items():
+        rows = []
+        for i in range(a.calls + 1):   # the first call of each batch builds its shapes' kernels: not kept
+            call = fresh(reqs, f"{name}{i}")
+            for r in {r.clip.media_id: r for r in call}.values():
+                feats = ckpt.encode_clip(r.clip.inputs)
+                mx.eval(feats)
+                clf._features.put_clip(r.clip.media_id, feats)
+            phase_s.clear()
+            collections[0] = 0
+            t0 = time.perf_counter()
+            results = clf.classify(call)
+            total = time.perf_counter() - t0
+            assert all(r.error is None for r in results), [r.error for r in results if r.error][:2]
+            row = {k: phase_s.get(k, 0.0) * 1e3 for k in PHASES}
+            row["total"] = total * 1e3
+            row["rest"] = row["total"] - sum(row[k] for k in PHASES)
+            row["gc_collections"] = collections[0]
+            if i:
+                rows.append(row)
+        # the reference: the forward alone, repeated over one scheduled batch
+        alone = fresh(reqs, f"{name}-alone")
+        for r in {r.clip.media_id: r for r in alone}.values():
+            clf._features.put_clip(r.clip.media_id, ckpt.encode_clip(r.clip.inputs))
+        with mx.stream(clf._device):
+            scheduler, batch = _one_forward_batch(clf, alone)
+            try:
+                video = clf._video_rows(batch, alone)
+                times = []
+                for _ in range(a.calls + 1):
+                    t0 = time.perf_counter()
+                    runner.forward(ckpt.model, batch, clf.kv_cache, clf._attention, video, ckpt.family.num_deepstack)
+                    times.append((time.perf_counter() - t0) * 1e3)
+            finally:
+                scheduler.abort_all()
+        for r in alone:
+            clf._features.release_clip(r.clip.media_id, 0, keep_tail=False)
+        report[name] = {"calls_ms": rows, "forward_alone_ms": times[1:],
+                        "median_ms": {k: statistics.median(r[k] for r in rows) for k in rows[0]},
+                        "forward_alone_median_ms": statistics.median(times[1:])}
+        print(f"{name}: forward alone {statistics.median(times[1:]):.1f} ms (runs {[round(t, 1) for t in times[1:]]})")
+        for row in rows:
+            print("  " + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
