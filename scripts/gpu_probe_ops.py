@@ -5,7 +5,7 @@ write), `v2` (Qwen3-VL's head_dim 72, GELU in fp32, fused norm + rotary), `v3` (
 `kv` (the KV scatter in bf16 vs as 32-bit words), `upload_ab` (the engine end to end with patch bytes through
 managed memory vs a file in shared memory), `fused` (engine/cuda_fused.py's kernel vs the portable form; the KV
 scatter as 32-bit words), `tower_batch` (a step's 8 clips through the vision tower one by one vs in groups of 2, 4
-and 8 in one planned forward), `kvwords` (the engine's `write_kv` moving 64-bit against 32-bit words). Prints ms per call (medians of 5) and writes gpu_probe_ops.json.
+and 8 in one planned forward). Prints ms per call (medians of 5) and writes gpu_probe_ops.json.
 
     python3 scripts/gpu_probe_ops.py --out DIR [--sections ...] [--small]
 """
@@ -514,41 +514,6 @@ def main() -> None:
                 one.astype(mx.float32) - together.astype(mx.float32))).item())
             rows[f"tower_batch.{model_type}.max_abs"] = float(mx.max(mx.abs(one.astype(mx.float32))).item())
             del bench, ckpt, tower, work, clips
-
-    if "kvwords" in args.sections:   # the engine's KV write (write_kv) with 64-bit words against 32-bit ones
-        from batchjob.metal_backend import SeqSlice, build_attention_metadata, write_kv
-        from batchjob.metal_backend import kv_cache as kv_module
-
-        for tag, (T, hkv) in {"q3": (13896 // div, 8), "q25": (16952 // div, 4)}.items():
-            d, bs, layers = 128, 16, 6
-            nb = 4 * T // bs + 64
-            perm = [int(b) for b in rng.permutation(nb)]   # a used pool: each sequence's blocks scattered
-            per_seq, slices = T // 8, []
-            for i in range(8):
-                slices.append(SeqSlice(perm[i * (per_seq // bs + 2):(i + 1) * (per_seq // bs + 2)], 0, per_seq))
-            meta = build_attention_metadata(slices, bs)
-            k_new, v_new = (mx.random.normal((meta.num_tokens, hkv, d)).astype(bf) for _ in range(2))
-            caches = [[mx.zeros((nb, bs, hkv, d), dtype=bf) for _ in range(2)] for _ in range(layers)]
-            mx.eval(k_new, v_new, caches)
-            step = iter(range(1 << 30))
-
-            def write():   # each queued call writes another layer's cache: in place, as a forward writes
-                c = caches[next(step) % layers]
-                c[0], c[1] = write_kv(c[0], c[1], k_new, v_new, meta)
-                return c
-
-            for word in (mx.uint64, mx.uint32):
-                real = kv_module.scatter_word
-                kv_module.scatter_word = lambda dtype, width, word=word: word
-                try:
-                    t(f"kvwords.{tag}.write_kv_{str(word).rsplit('.', 1)[-1]}", write, inner=5)
-                finally:
-                    kv_module.scatter_word = real
-            ref = mx.zeros((nb * bs, hkv, d), dtype=bf)
-            ref[meta.slot_mapping] = k_new   # plain bf16 scatter: the bits the word scatters must give
-            rows[f"kvwords.{tag}.bit_identical"] = float(all(
-                mx.array_equal(c[0].reshape(nb * bs, hkv, d)[meta.slot_mapping], k_new).item() for c in caches))
-            del caches, ref
 
     env = {"device": str(mx.default_device()), "mlx": mx.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:

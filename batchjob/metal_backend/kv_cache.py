@@ -53,21 +53,11 @@ def write_kv(
     if meta.block_size != bs:
         raise ValueError(f"write_kv: metadata built for block_size {meta.block_size}, cache has {bs}")
     slots, width, dtype = meta.slot_mapping, hkv * d, k_cache.dtype
-    word = scatter_word(dtype, width)
+    # Half-precision rows move as 32-bit words: the same bits, half the elements for the scatter to index.
+    word = mx.uint32 if dtype.size == 2 and width % 2 == 0 else dtype
     written = []
     for cache, new in ((k_cache, k_new), (v_cache, v_new)):
         flat = cache.reshape(nb * bs, width).view(word)
         flat[slots] = new.astype(dtype).reshape(meta.num_tokens, width).view(word)
         written.append(flat.view(dtype).reshape(nb, bs, hkv, d))
     return written[0], written[1]
-
-
-def scatter_word(dtype: mx.Dtype, width: int) -> mx.Dtype:
-    """The widest unsigned word a row of `width` elements of `dtype` moves as in the KV scatter: the same bits,
-    fewer elements for the scatter to index (MLX's GPU scatter does index arithmetic per element). 64-bit words
-    except on Metal, whose scatter refuses 8-byte types; then 32-bit words."""
-    row_bytes = width * dtype.size
-    for word in (mx.uint64, mx.uint32):
-        if word.size > dtype.size and row_bytes % word.size == 0 and not (word.size == 8 and mx.metal.is_available()):
-            return word
-    return dtype
