@@ -80,8 +80,8 @@ def gather_heads_major(cache: mx.array, tables: np.ndarray, length: int, dtype: 
 def take_rows(x: mx.array, indices: mx.array) -> mx.array:
     """`mx.take(x, indices, axis=0)` of a row-contiguous `x` (else it is copied first), its rows moved as 64-bit
     words where their bytes allow: the same bits, a quarter of the elements for a half-precision row (MLX's CUDA
-    gather moves one element per thread). Not on Metal, where 8-byte words were never measured (its scatter
-    refuses them: `kv_cache.scatter_word`)."""
+    gather moves one element per thread). Not on Metal, where 8-byte words were never measured (MLX's GPU
+    scatter refuses them, so the KV write stays at 32-bit words everywhere)."""
     if (x.shape[-1] * x.dtype.size) % 8 or mx.metal.is_available():
         return mx.take(x, indices, axis=0)
     return mx.take(x.view(mx.uint64), indices, axis=0).view(x.dtype)
