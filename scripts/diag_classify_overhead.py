@@ -6,13 +6,16 @@ computed) took 35-56 ms more per `classify` call than the same forward repeated 
 `--calls` calls of the equal batch and of the ragged batch in turn, each under fresh media ids, timing in every
 call: preparing the requests, scheduling, the vision rows, the forward (graph build to logits on the host), and
 the rest; Python's garbage collections during the call are counted. The forward alone, repeated over one
-scheduled batch, is the reference. `--gc-off`: the same with the collector disabled.
+scheduled batch, is the reference. `--gc-off`: the same with the collector disabled. `--vary`: each call's
+questions a few words longer or shorter (as a job's calls are), so every call meets shapes it has not seen
+(cuDNN graphs, compiled kernels, GEMM plans are cached per shape).
 
-    python3 scripts/diag_classify_overhead.py [--model qwen3_vl] [--calls 8] [--gc-off] [--smoke] [--json F]
+    python3 scripts/diag_classify_overhead.py [--model qwen3_vl] [--calls 8] [--gc-off] [--vary] [--smoke] [--json F]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -32,6 +35,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the published depth)")
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--gc-off", action="store_true")
+    ap.add_argument("--vary", action="store_true",
+                    help="every call's questions a few words longer or shorter, as a job's are: new shapes each call")
     ap.add_argument("--smoke", action="store_true", help="the small shape on the CPU (tests)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -77,11 +82,13 @@ def main() -> None:
     classifier_module.forward = timed("forward", classifier_module.forward)
     if a.gc_off:
         gc.disable()
-    report: dict = {"model": a.model, "gc_off": a.gc_off, "calls": a.calls}
+    report: dict = {"model": a.model, "gc_off": a.gc_off, "vary": a.vary, "calls": a.calls}
     for name, reqs in batches.items():
         rows = []
         for i in range(a.calls + 1):   # the first call of each batch builds its shapes' kernels: not kept
             call = fresh(reqs, f"{name}{i}")
+            if a.vary:   # 0-7 extra words per question: the prompts' lengths (and the attention's shapes) change
+                call = [dataclasses.replace(r, question=r.question + " now" * int(rng.integers(0, 8))) for r in call]
             for r in {r.clip.media_id: r for r in call}.values():
                 feats = ckpt.encode_clip(r.clip.inputs)
                 mx.eval(feats)

@@ -1,0 +1,40 @@
+"""The two diagnostics behind issue 19's ragged-batch figures run where CI runs (MLX on the CPU, small shapes) and
+report what the GPU results quote: scripts/diag_ragged_attention.py (the pieces of one layer's attention, the
+word gathers bit-identical to plain ones) and scripts/diag_classify_overhead.py (an engine call against its
+forward alone, call by call, with fixed and with varying prompt lengths)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{script}.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_diag_ragged_attention_smoke(tmp_path):
+    row = _run("diag_ragged_attention.py", "--small", "--repeats", "1", tmp_path=tmp_path)
+    assert row["words_bit_identical"] is True
+    assert len(row["calls"]) >= 2 and row["inverse"] is True   # padded groups: the gathers it times exist
+    for key in ("engine_ms", "engine_behind_matmul_ms", "engine_per_sequence_ms", "q_take_ms", "q_take_words_ms",
+                "kv_take_ms", "kv_take_words_ms", "sdpa_only_ms", "concat_inverse_ms", "concat_inverse_words_ms"):
+        assert key in row and row[key] == row[key], key   # present and not NaN
+    assert row["engine_ms"] > 0 and row["sdpa_only_ms"] > 0
+
+
+def test_diag_classify_overhead_smoke(tmp_path):
+    report = _run("diag_classify_overhead.py", "--smoke", "--calls", "1", "--vary", tmp_path=tmp_path)
+    assert report["vary"] is True
+    for name in ("equal", "ragged"):
+        (call,) = report[name]["calls_ms"]
+        assert call["total"] >= call["forward"] > 0 and call["prepare"] > 0
+        assert abs(call["total"] - sum(call[k] for k in ("prepare", "schedule", "video_rows", "forward", "rest"))) < 1e-6
+        assert report[name]["forward_alone_median_ms"] > 0
