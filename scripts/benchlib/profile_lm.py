@@ -8,6 +8,7 @@ forward's graph before the device starts: the GPU idles through it unless forwar
 """
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -148,7 +149,7 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
             q, k = rotate_qk(q, k, c, s, tables, stacked=qkv)
         mx.eval(q, k, v)
 
-        written = iter(range(1 << 30))
+        written = itertools.count()
 
         def kv_write():   # in place, as the layer writes it: each queued call another layer's cache, whose old
             # array nothing else holds (see _cycling_cache_layers), so no call copies a whole cache layer
@@ -195,7 +196,7 @@ def _cycling_cache_layers(layer, num_layers: int, call):
     holds the array the next call's write takes as input, so MLX copies the whole cache layer (hundreds of MB)
     in every call: time the real forward never spends, since it writes each layer's cache once."""
     attn = layer.self_attn
-    counter = iter(range(1 << 30))
+    counter = itertools.count()
 
     def cycled():
         own = attn.layer_index
