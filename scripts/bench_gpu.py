@@ -41,7 +41,7 @@ from benchlib.profile_lm import profile_lm
 from benchlib.profile_tower import profile_tower
 from benchlib.steps import step_timeline, summarize_steps
 from benchlib.timing import ms_per_call, timed
-from benchlib.workload import build_model, fresh, make_workload, prompt_ids
+from benchlib.workload import build_model, cache_features, drop_features, fresh, make_workload, prompt_ids
 from batchjob.engine.patchify import device_pixels
 from batchjob.synthetic.random_engine import SHAPES
 
@@ -57,8 +57,6 @@ PROFILE = ("lm_forwards_per_prefill", "lm_layer_ms", "lm_layer_matmuls_share", "
 def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[dict, dict]:
     """One model's engine row (build, vision, LM prefill equal and ragged, profiles, end to end, attention) and
     the arguments of its transformers baseline, run once this function's MLX model is gone."""
-    import mlx.core as mx
-
     dims = dict(SHAPES[model_type][1 if args.smoke else 0])
     qwen3 = model_type == "qwen3_vl"
     layers = (args.qwen3_layers if qwen3 else args.layers) or dims["layers"]
@@ -116,10 +114,7 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
     def lm_only(reqs, tag):
         """The engine's LM path alone: vision features computed first and cached; (seconds, results, forwards)."""
         reqs = fresh(reqs, tag)
-        for r in {r.clip.media_id: r for r in reqs}.values():
-            feats = ckpt.encode_clip(r.clip.inputs)
-            mx.eval(feats)
-            clf._features.put_clip(r.clip.media_id, feats)
+        cache_features(bench, reqs)
         collections = gc.get_stats()
         with step_timeline(clf) as log:
             t0 = time.perf_counter()
@@ -160,11 +155,9 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
     lap("lm_prefill")
     for key, reqs in (("lm_profile", distinct), ("lm_profile_ragged", ragged)):   # equal and ragged prompts
         profiled = fresh(reqs, "prof")
-        for r in profiled:
-            clf._features.put_clip(r.clip.media_id, ckpt.encode_clip(r.clip.inputs))
+        cache_features(bench, profiled)
         row[key] = profile_lm(clf, profiled, dims, ceiling, inner=args.inner, repeats=args.repeats)
-        for r in profiled:
-            clf._features.release_clip(r.clip.media_id, 0, keep_tail=False)
+        drop_features(bench, profiled)
     lap("lm_profile")
 
     def whole(reqs, tag):

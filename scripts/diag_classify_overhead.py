@@ -48,7 +48,7 @@ def main() -> None:
     from batchjob.engine.scheduler import Scheduler
     from batchjob.synthetic.random_engine import SHAPES
     from benchlib.profile_lm import _one_forward_batch
-    from benchlib.workload import build_model, fresh, make_workload
+    from benchlib.workload import build_model, cache_features, drop_features, fresh, make_workload
 
     dims = dict(SHAPES[a.model][1 if a.smoke else 0])
     frames, size = (4, (56, 56)) if a.smoke else (16, (448, 448))
@@ -89,10 +89,7 @@ def main() -> None:
             call = fresh(reqs, f"{name}{i}")
             if a.vary:   # 0-7 extra words per question: the prompts' lengths (and the attention's shapes) change
                 call = [dataclasses.replace(r, question=r.question + " now" * int(rng.integers(0, 8))) for r in call]
-            for r in {r.clip.media_id: r for r in call}.values():
-                feats = ckpt.encode_clip(r.clip.inputs)
-                mx.eval(feats)
-                clf._features.put_clip(r.clip.media_id, feats)
+            cache_features(bench, call)
             phase_s.clear()
             collections[0] = 0
             t0 = time.perf_counter()
@@ -107,8 +104,7 @@ def main() -> None:
                 rows.append(row)
         # the reference: the forward alone, repeated over one scheduled batch
         alone = fresh(reqs, f"{name}-alone")
-        for r in {r.clip.media_id: r for r in alone}.values():
-            clf._features.put_clip(r.clip.media_id, ckpt.encode_clip(r.clip.inputs))
+        cache_features(bench, alone)
         with mx.stream(clf._device):
             scheduler, batch = _one_forward_batch(clf, alone)
             try:
@@ -120,8 +116,7 @@ def main() -> None:
                     times.append((time.perf_counter() - t0) * 1e3)
             finally:
                 scheduler.abort_all()
-        for r in alone:
-            clf._features.release_clip(r.clip.media_id, 0, keep_tail=False)
+        drop_features(bench, alone)
         report[name] = {"calls_ms": rows, "forward_alone_ms": times[1:],
                         "median_ms": {k: statistics.median(r[k] for r in rows) for k in rows[0]},
                         "forward_alone_median_ms": statistics.median(times[1:])}

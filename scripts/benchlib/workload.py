@@ -87,6 +87,24 @@ def make_workload(bench: BenchModel, rng, clips: int, questions: int, frames: in
     return requests
 
 
+def cache_features(bench: BenchModel, requests) -> None:
+    """Each distinct clip's vision features computed (and evaluated) and put in the engine's feature cache, so
+    a call over `requests` runs the language model alone."""
+    import mlx.core as mx
+
+    clf, ckpt = bench.classifier, bench.checkpoint
+    for r in {r.clip.media_id: r for r in requests}.values():
+        features = ckpt.encode_clip(r.clip.inputs)
+        mx.eval(features)
+        clf._features.put_clip(r.clip.media_id, features)
+
+
+def drop_features(bench: BenchModel, requests) -> None:
+    """`cache_features` undone, for requests whose call never released their clips (a profile's forwards)."""
+    for r in requests:
+        bench.classifier._features.release_clip(r.clip.media_id, 0, keep_tail=False)
+
+
 def fresh(requests, tag: str) -> list:
     """The same requests under new media ids: nothing cached from an earlier run helps."""
     clips, out = {}, []
