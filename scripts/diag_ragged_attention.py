@@ -28,13 +28,6 @@ RAGGED = {"qwen2_5_vl": [2119, 1863, 1607, 1351, 1095, 839, 2119, 1863],
 PREFIX = 16   # the cached system-prompt block every prompt shares
 
 
-def words(x):
-    """The same bytes as 64-bit words along the last axis (x row-contiguous, last axis a multiple of 8 bytes)."""
-    import mlx.core as mx
-
-    return x.view(mx.uint64)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(HEADS), default="qwen2_5_vl")
@@ -46,7 +39,8 @@ def main() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from batchjob.metal_backend.attention import gather_heads_major, gather_rows, paged_attention, planned_attention
+    from batchjob.metal_backend.attention import (gather_heads_major, gather_rows, paged_attention,
+                                                  planned_attention, take_rows)
     from batchjob.metal_backend.probe import make_ragged_batch
     from batchjob.metal_backend.selection import GPU_GROUP_ROWS, GPU_QUERY_CHUNK, gpu_portable_attention
 
@@ -100,7 +94,7 @@ def main() -> None:
             if idx is None:
                 continue
             if as_words:   # from the stacked parent (contiguous), then the q heads
-                out.append(mx.take(words(qk), idx, axis=0)[:, :hq].view(dtype))
+                out.append(take_rows(qk, idx)[:, :hq])
             else:
                 out.append(mx.take(q, idx, axis=0))
         return out
@@ -111,7 +105,7 @@ def main() -> None:
             if isinstance(rows, tuple):   # an ascending run of blocks: a slice, no gather
                 continue
             for flat in (flat_k, flat_v):
-                out.append(mx.take(words(flat), rows, axis=0).view(dtype) if as_words else mx.take(flat, rows, axis=0))
+                out.append(take_rows(flat, rows) if as_words else mx.take(flat, rows, axis=0))
         return out
 
     row["q_take_ms"] = time_(lambda: q_take(False))
@@ -140,7 +134,7 @@ def main() -> None:
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         if inverse is None:
             return out
-        return mx.take(words(out), inverse, axis=0).view(dtype) if as_words else mx.take(out, inverse, axis=0)
+        return take_rows(out, inverse) if as_words else mx.take(out, inverse, axis=0)
 
     row["concat_inverse_ms"] = time_(lambda: put_back(False))
     row["concat_inverse_words_ms"] = time_(lambda: put_back(True))
