@@ -41,7 +41,8 @@ from benchlib.profile_lm import profile_lm
 from benchlib.profile_tower import profile_tower
 from benchlib.steps import step_timeline, summarize_steps
 from benchlib.timing import ms_per_call, timed
-from benchlib.workload import build_model, cache_features, drop_features, fresh, make_workload, prompt_ids
+from benchlib.workload import (build_model, cache_features, drop_features, fresh, make_workload, prompt_ids,
+                               vary_questions)
 from batchjob.engine.patchify import device_pixels
 from batchjob.synthetic.random_engine import SHAPES
 
@@ -173,6 +174,10 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
         whole(workload, "e2e-steps")
         steps = summarize_steps(log, time.perf_counter() - t0)
     d_s, _ = timed(lambda: whole(distinct, f"d{time.perf_counter()}"), args.repeats)
+    rng_vary, varied = np.random.default_rng(1), []   # the same job with questions a few words longer, drawn anew
+    v_s, _ = timed(lambda: varied.append(whole(vary_questions(workload, rng_vary), f"v{len(varied)}")), args.repeats)
+    varied_flops = sum(request_flops(r.prompt_tokens, r.cached_tokens, layers, dims) for r in varied[0]) \
+        + args.clips * v_flops
     job_flops = sum(request_flops(r.prompt_tokens, r.cached_tokens, layers, dims) for r in res) + args.clips * v_flops
     d_flops = lm_flops + len(distinct) * v_flops   # the distinct clips' prompts as the LM prefill ran them
     n = len(workload)
@@ -180,6 +185,7 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
                      "prefill_tokens_per_s": sum(r.prompt_tokens - r.cached_tokens for r in res) / e2e_s,
                      "job_flops": job_flops, "ideal_s": job_flops / ceiling, "distinct8_wall_s": d_s,
                      "distinct8_requests_per_s": len(distinct) / d_s, "distinct8_ideal_s": d_flops / ceiling,
+                     "varied_wall_s": v_s, "varied_requests_per_s": n / v_s, "varied_ideal_s": varied_flops / ceiling,
                      "timeline": steps}
     print(f"[{model_type}] engine: {n} requests in {e2e_s:.2f} s ({n / e2e_s:.1f} req/s); ideal "
           f"{job_flops / ceiling:.2f} s; {len(distinct)} distinct clips {d_s:.2f} s", flush=True)
@@ -262,6 +268,9 @@ def figures(row: dict, ceil_m: float, ceil_t: float) -> dict:
         "wall_vs_ideal_torch_ceiling": eng["wall_s"] / (eng["job_flops"] / ceil_t),
         "distinct8_requests_per_s": eng["distinct8_requests_per_s"],
         "distinct8_wall_vs_ideal": eng["distinct8_wall_s"] / eng["distinct8_ideal_s"],
+        # the same job with every run's questions 0-7 words longer (as a job's differ): new shapes in every run
+        "engine_varied_requests_per_s": eng["varied_requests_per_s"],
+        "wall_vs_ideal_varied": eng["varied_wall_s"] / eng["varied_ideal_s"],
         # the end-to-end run step by step (benchlib/steps.py): device work vs host time between it
         "engine_steps": eng["timeline"]["steps"],
         "engine_forward_share": eng["timeline"]["forward_s"] / eng["timeline"]["wall_s"],

@@ -8,14 +8,16 @@ call: preparing the requests, scheduling, the vision rows, the forward (graph bu
 the rest; Python's garbage collections during the call are counted. The forward alone, repeated over one
 scheduled batch, is the reference. `--gc-off`: the same with the collector disabled. `--vary`: each call's
 questions a few words longer or shorter (as a job's calls are), so every call meets shapes it has not seen
-(cuDNN graphs, compiled kernels, GEMM plans are cached per shape).
+(cuDNN graphs, compiled kernels, GEMM plans are cached per shape). `--buckets N`: the attention's calls padded to
+N lengths per octave (`attention_plan.bucketed`; 0 = exact shapes) instead of the engine's setting.
 
-    python3 scripts/diag_classify_overhead.py [--model qwen3_vl] [--calls 8] [--gc-off] [--vary] [--smoke] [--json F]
+    python3 scripts/diag_classify_overhead.py [--model qwen3_vl] [--calls 8] [--gc-off] [--vary] [--buckets N]
+        [--smoke] [--json F]
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import gc
 import json
 import statistics
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--gc-off", action="store_true")
     ap.add_argument("--vary", action="store_true",
                     help="every call's questions a few words longer or shorter, as a job's are: new shapes each call")
+    ap.add_argument("--buckets", type=int, default=None, help="SDPA lengths per octave (default: the engine's)")
     ap.add_argument("--smoke", action="store_true", help="the small shape on the CPU (tests)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -46,9 +49,10 @@ def main() -> None:
     from batchjob.engine import classifier as classifier_module
     from batchjob.engine import runner
     from batchjob.engine.scheduler import Scheduler
+    from batchjob.metal_backend import paged_attention
     from batchjob.synthetic.random_engine import SHAPES
     from benchlib.profile_lm import _one_forward_batch
-    from benchlib.workload import build_model, cache_features, drop_features, fresh, make_workload
+    from benchlib.workload import build_model, cache_features, drop_features, fresh, make_workload, vary_questions
 
     dims = dict(SHAPES[a.model][1 if a.smoke else 0])
     frames, size = (4, (56, 56)) if a.smoke else (16, (448, 448))
@@ -58,6 +62,14 @@ def main() -> None:
     bench = build_model(a.model, dims, a.layers or dims["layers"], dims["v_depth"], frames, size, tmp,
                         "float32" if a.smoke else "bfloat16", engine)
     clf, ckpt = bench.classifier, bench.checkpoint
+    fn = getattr(clf._attention, "fn", clf._attention)   # the portable path, bare or with the GPU's settings
+    settings = dict(fn.keywords) if isinstance(fn, functools.partial) else {}
+    if a.buckets is not None:
+        if getattr(fn, "func", fn) is not paged_attention:
+            raise SystemExit(f"--buckets: this engine's attention ({clf._attention}) is not the portable path")
+        settings["shape_buckets"] = a.buckets
+        clf._attention = functools.partial(paged_attention, **settings)
+    buckets = settings.get("shape_buckets", 0)
     rng = np.random.default_rng(0)
     batches = {"equal": make_workload(bench, rng, 8, 1, frames, size, "eq"), "ragged": []}
     for i in range(8):
@@ -82,13 +94,14 @@ def main() -> None:
     classifier_module.forward = timed("forward", classifier_module.forward)
     if a.gc_off:
         gc.disable()
-    report: dict = {"model": a.model, "gc_off": a.gc_off, "vary": a.vary, "calls": a.calls}
+    report: dict = {"model": a.model, "gc_off": a.gc_off, "vary": a.vary, "calls": a.calls, "buckets": buckets}
+    print(f"attention's shape buckets: {buckets} per octave")
     for name, reqs in batches.items():
         rows = []
         for i in range(a.calls + 1):   # the first call of each batch builds its shapes' kernels: not kept
             call = fresh(reqs, f"{name}{i}")
             if a.vary:   # 0-7 extra words per question: the prompts' lengths (and the attention's shapes) change
-                call = [dataclasses.replace(r, question=r.question + " now" * int(rng.integers(0, 8))) for r in call]
+                call = vary_questions(call, rng)
             cache_features(bench, call)
             phase_s.clear()
             collections[0] = 0

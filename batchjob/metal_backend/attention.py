@@ -95,16 +95,36 @@ def _memo(meta: AttentionMetadata, key: tuple, build):
     return value
 
 
-def _rows_of(x: mx.array, start: int | None, tokens: np.ndarray, n: int, length: int, memo) -> mx.array:
+class PackedRows:
+    """A packed `[T, H, D]` array (q, or this layer's new K or V) whose rows one layer's SDPA calls read.
+
+    Its rows are usually heads of a stacked projection: a strided view, which MLX gathers one element per
+    thread. Where a call gathers (padded groups), the array is copied row-contiguous once for all the layer's
+    calls and its rows gathered as 64-bit words (`take_rows`); views of contiguous runs copy nothing. On Metal
+    the gather reads the view as it is (`take_rows`)."""
+
+    def __init__(self, x: mx.array):
+        self.x = x
+        self._contiguous: mx.array | None = None
+
+    def take(self, indices: mx.array) -> mx.array:
+        if (self.x.shape[-1] * self.x.dtype.size) % 8 or mx.metal.is_available():
+            return mx.take(self.x, indices, axis=0)
+        if self._contiguous is None:
+            self._contiguous = mx.contiguous(self.x)
+        return take_rows(self._contiguous, indices)
+
+
+def _rows_of(x: PackedRows, start: int | None, tokens: np.ndarray, n: int, length: int, memo) -> mx.array:
     """Rows of a packed `[T, H, D]` array as `[n, H, length, D]`: a view of a contiguous run, else a gather.
 
     The view keeps the token-major layout (strides independent of T); fused SDPA reads it as it is and writes
     its output in the same layout, so turning the output back into packed rows is free as well."""
-    _, h, d = x.shape
+    _, h, d = x.x.shape
     if start is not None:
-        rows = x[start : start + n * length]
+        rows = x.x[start : start + n * length]
     else:
-        rows = mx.take(x, memo(lambda: mx.array(tokens)), axis=0)
+        rows = x.take(memo(lambda: mx.array(tokens)))
     return rows.reshape(n, length, h, d).transpose(0, 2, 1, 3)
 
 
@@ -129,13 +149,13 @@ def _call_keys(call: SdpaCall, index: int, plan_key: tuple, k_cache, v_cache, me
 
 
 def planned_attention(meta: AttentionMetadata, query_chunk: int, group_rows: int,
-                      pad_slack: float = PAD_SLACK, fold: bool = False) -> AttentionPlan:
+                      pad_slack: float = PAD_SLACK, fold: bool = False, buckets: int = 0) -> AttentionPlan:
     """`plan_attention` for this forward pass, built by the first layer and shared by every other one."""
-    return _memo(meta, ("attention_plan", query_chunk, group_rows, pad_slack, fold),
+    return _memo(meta, ("attention_plan", query_chunk, group_rows, pad_slack, fold, buckets),
                  lambda: plan_attention(meta.cu_seqlens_q_host, meta.context_lens_host, query_chunk=query_chunk,
                                         group_rows=group_rows, pad_slack=pad_slack,
                                         block_tables=meta.block_tables_host if fold else None,
-                                        block_size=meta.block_size))
+                                        block_size=meta.block_size, buckets=buckets))
 
 
 def paged_attention(
@@ -151,6 +171,7 @@ def paged_attention(
     contiguous_kv: bool = True,
     fold_followers: bool = False,
     new_kv: tuple[mx.array, mx.array] | None = None,
+    shape_buckets: int = 0,
 ) -> mx.array:
     """Attention of the packed new tokens `q [T, Hq, D]` over each sequence's cached + new KV -> `[T, Hq, D]`.
 
@@ -165,6 +186,7 @@ def paged_attention(
     written to the caches) lets sequences with nothing cached read their keys without a gather. `contiguous_kv`
     copies K/V views for the CPU's unfused SDPA (see `gather_heads_major`). `fold_followers` folds the
     followers of a clip into one call over their shared cached context, gathered once (`attention_plan`).
+    `shape_buckets` pads calls to lengths that repeat across passes (`attention_plan.bucketed`).
     Python-level work uses the host copies in `meta`, so this stays lazy.
     """
     check_attention_inputs(q, k_cache, v_cache, meta)
@@ -175,16 +197,17 @@ def paged_attention(
         raise ValueError(f"paged_attention: new_kv must be K and V [num_tokens={meta.num_tokens}, {hkv}, {d}], got "
                          f"{[x.shape for x in new_kv]}")
     rows = query_chunk if group_rows is None else group_rows
-    plan = planned_attention(meta, query_chunk, rows, pad_slack, fold_followers)
-    plan_key = ("attention_plan", query_chunk, rows, pad_slack, fold_followers)
+    plan = planned_attention(meta, query_chunk, rows, pad_slack, fold_followers, shape_buckets)
+    plan_key = ("attention_plan", query_chunk, rows, pad_slack, fold_followers, shape_buckets)
     hq = q.shape[1]
     fresh = None
     if new_kv is not None:  # the values the cache holds (cast to its dtype), then to the compute dtype, as a read
-        fresh = tuple(x.astype(k_cache.dtype).astype(q.dtype) for x in new_kv)
+        fresh = tuple(PackedRows(x.astype(k_cache.dtype).astype(q.dtype)) for x in new_kv)
+    q_rows = PackedRows(q)
     pieces = []
     for i, call in enumerate(plan.calls):
         memo = lambda build, i=i: _memo(meta, plan_key + (i, "q_tokens"), build)  # noqa: E731
-        q_g = _rows_of(q, call.q_start, call.q_tokens, call.batch, call.q_len, memo)
+        q_g = _rows_of(q_rows, call.q_start, call.q_tokens, call.batch, call.q_len, memo)
         k, v = _call_keys(call, i, plan_key, k_cache, v_cache, meta, q.dtype, fresh, contiguous_kv)
         mask = call.mask
         if mask == "keys":

@@ -40,6 +40,20 @@ PAD_SLACK = 1.25  # padded attention work per group <= PAD_SLACK x its real work
 DECODE_SLACK = 1.25  # the same bound for one-token sequences, whose keys are padded and masked instead
 FOLD_SLACK = 2.0  # a folded call's score entries <= FOLD_SLACK x its members' real work (it saves their gathers)
 FOLD_MAX_Q = 128  # sequences with at most this many new tokens are folded (short questions over a clip)
+GPU_SHAPE_BUCKETS = 8  # SDPA call lengths per power of two on CUDA (`bucketed`): at most 1/8 more rows or keys
+
+
+def bucketed(n: int, per_octave: int) -> int:
+    """`n` rounded up to one of `per_octave` (a power of two) evenly spaced lengths per octave; `n` when
+    `per_octave` is 0.
+
+    Why: CUDA's fused SDPA (cuDNN) builds a graph for every new shape, which costs far more than a call's
+    arithmetic, and a job's calls rarely repeat a shape (questions differ by a few words, padded groups by a
+    few rows). Rounded lengths repeat from call to call, for at most `1 / per_octave` more rows and keys."""
+    if per_octave < 1 or n <= per_octave:
+        return n
+    step = 1 << max(0, (n - 1).bit_length() - per_octave.bit_length())
+    return -(-n // step) * step
 
 
 @dataclass(frozen=True)
@@ -198,12 +212,14 @@ def _fold_call(seqs: list[int], cu: np.ndarray, ctx: np.ndarray, prefix: np.ndar
                     None, None, "visible", key_slots, visible[None], 1)
 
 
-def stack_folds(folds: list[SdpaCall], *, group_rows: int, slack: float = PAD_SLACK) -> list[SdpaCall]:
+def stack_folds(folds: list[SdpaCall], *, group_rows: int, slack: float = PAD_SLACK,
+                buckets: int = 0) -> list[SdpaCall]:
     """Folds of different clips stacked on SDPA's batch axis, each padded to the stack's longest rows and keys:
     one call per stack instead of one per clip (a step holds the followers of many clips, and each call costs a
     fixed overhead). Largest first; a stack is closed before its padded work exceeds `slack` x its folds' own or
     its rows exceed `group_rows`. Padded rows repeat a fold's last token and see its first key only (finite
-    values, dropped from the output); padded keys are seen by no row."""
+    values, dropped from the output); padded keys are seen by no row. `buckets`: rows and keys then padded to
+    `bucketed` lengths, the same way."""
     order = sorted(folds, key=lambda c: (-c.q_len * c.k_len, c.seqs))
     stacks: list[list[SdpaCall]] = []
     for c in order:
@@ -214,11 +230,12 @@ def stack_folds(folds: list[SdpaCall], *, group_rows: int, slack: float = PAD_SL
                 stacks[-1] = trial
                 continue
         stacks.append([c])
-    return [members[0] if len(members) == 1 else _stacked(members) for members in stacks]
+    return [members[0] if len(members) == 1 and not buckets else _stacked(members, buckets) for members in stacks]
 
 
-def _stacked(members: list[SdpaCall]) -> SdpaCall:
-    q_len, k_len = max(f.q_len for f in members), max(f.k_len for f in members)
+def _stacked(members: list[SdpaCall], buckets: int = 0) -> SdpaCall:
+    q_len = bucketed(max(f.q_len for f in members), buckets)
+    k_len = bucketed(max(f.k_len for f in members), buckets)
     q_tokens, out_tokens, key_slots = [], [], []
     visible = np.zeros((len(members), q_len, k_len), dtype=bool)
     for i, f in enumerate(members):
@@ -242,10 +259,14 @@ def _run_start(q_tokens: np.ndarray, out_tokens: np.ndarray) -> int | None:
 
 
 def _call(seqs, q_first, q_count, k_len: int, cu: np.ndarray, ctx: np.ndarray, prefix: np.ndarray,
-          mask: str | None) -> SdpaCall:
-    """Rows `q_first[i] .. q_first[i] + q_count[i]` (flat tokens) of sequence `seqs[i]`, padded to the longest,
-    over key positions `[0, k_len)` of each sequence."""
+          mask: str | None, buckets: int = 0) -> SdpaCall:
+    """Rows `q_first[i] .. q_first[i] + q_count[i]` (flat tokens) of sequence `seqs[i]`, padded to the longest
+    (then to its `bucketed` length, keys as many more: a causal call's offset stays), over key positions
+    `[0, k_len)` of each sequence."""
     q_len = int(max(q_count))
+    if mask == "causal":
+        pad = bucketed(q_len, buckets) - q_len
+        q_len, k_len = q_len + pad, k_len + pad
     steps = np.arange(q_len)
     q_tokens = np.concatenate([first + np.minimum(steps, count - 1) for first, count in zip(q_first, q_count)])
     out_tokens = np.concatenate([np.where(steps < count, first + steps, -1) for first, count in zip(q_first, q_count)])
@@ -263,7 +284,7 @@ def _call(seqs, q_first, q_count, k_len: int, cu: np.ndarray, ctx: np.ndarray, p
 
 def plan_attention(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, *, query_chunk: int, group_rows: int,
                    pad_slack: float = PAD_SLACK, block_tables: np.ndarray | None = None,
-                   block_size: int = 0) -> AttentionPlan:
+                   block_size: int = 0, buckets: int = 0) -> AttentionPlan:
     """The SDPA calls for a packed batch (host arrays of `AttentionMetadata`).
 
     - with `block_tables` (and `block_size`): followers with at most FOLD_MAX_Q new tokens whose cached full
@@ -272,6 +293,8 @@ def plan_attention(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, *, query_
     - sequences longer than `query_chunk` rows: alone, in chunks of rows, each against only the keys its last
       row can see (bounds the score matrix of unfused SDPA and skips the masked half of a fresh prompt);
     - the rest: grouped by cached prefix length and padded at the end (`padded_groups`), causal, no mask.
+    `buckets` (`bucketed`): causal and folded calls padded further to lengths that repeat from pass to pass, so
+    that CUDA's SDPA meets shapes it has built before; a padded call's query is then a gather, not a view.
     """
     if query_chunk < 1 or group_rows < 1 or pad_slack < 1:
         raise ValueError(f"plan_attention: query_chunk ({query_chunk}) and group_rows ({group_rows}) must be "
@@ -299,7 +322,7 @@ def plan_attention(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, *, query_
         candidates = [int(s) for s in rest if q_lens[s] <= min(FOLD_MAX_Q, query_chunk)]
         folds = [_fold_call(fold, cu, ctx, prefix, tables, block_size)
                  for fold in fold_groups(candidates, q_lens, prefix, tables, block_size, group_rows=group_rows)]
-        calls.extend(stack_folds(folds, group_rows=group_rows))
+        calls.extend(stack_folds(folds, group_rows=group_rows, buckets=buckets))
         folded = {s for c in calls if c.key_slots is not None for s in c.seqs}
         rest = np.array([s for s in rest if int(s) not in folded], dtype=np.int64)
     long = [int(s) for s in rest if q_lens[s] > query_chunk]
@@ -307,7 +330,8 @@ def plan_attention(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, *, query_
         for a in range(int(cu[s]), int(cu[s + 1]), query_chunk):
             b = min(a + query_chunk, int(cu[s + 1]))
             visible = int(prefix[s]) + (b - int(cu[s]))
-            calls.append(_call([s], [a], [b - a], visible, cu, ctx, prefix, "causal" if b - a > 1 else None))
+            calls.append(_call([s], [a], [b - a], visible, cu, ctx, prefix, "causal" if b - a > 1 else None,
+                               buckets))
     short = [int(s) for s in rest if q_lens[s] <= query_chunk]
     for p in sorted({int(prefix[s]) for s in short}):
         members = [s for s in short if prefix[s] == p]
@@ -315,7 +339,7 @@ def plan_attention(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, *, query_
             seqs = np.array([members[i] for i in group])
             q_len = int(q_lens[seqs].max())
             calls.append(_call(seqs, cu[seqs], q_lens[seqs], p + q_len, cu, ctx, prefix,
-                               "causal" if q_len > 1 else None))
+                               "causal" if q_len > 1 else None, buckets))
     calls.sort(key=lambda c: int(c.out_tokens[c.out_tokens >= 0].min()))
     rows = np.concatenate([c.out_tokens for c in calls])
     num_tokens = int(cu[-1])

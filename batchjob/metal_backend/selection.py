@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from .attention import paged_attention
+from .attention_plan import GPU_SHAPE_BUCKETS
 from .probe import make_ragged_batch
 
 log = logging.getLogger(__name__)
@@ -135,8 +136,10 @@ def gpu_portable_attention(dtype: mx.Dtype) -> AttentionFn:
     materialises the score matrix, so the 512-row query chunks that bound CPU memory only add launches, a
     grouped call may hold the whole batch, K/V views are read as they are (no copy), and the followers of a
     clip are folded into one call over their shared context (read once, not once per follower); fp32 falls
-    back to unfused ops there, so it keeps the CPU's settings."""
+    back to unfused ops there, so it keeps the CPU's settings. On CUDA, whose SDPA builds a cuDNN graph per new
+    shape, calls are padded to lengths that repeat (`GPU_SHAPE_BUCKETS`); Metal's SDPA builds nothing per shape."""
     if dtype in (mx.bfloat16, mx.float16):
         return functools.partial(paged_attention, query_chunk=GPU_QUERY_CHUNK, group_rows=GPU_GROUP_ROWS,
-                                 contiguous_kv=False, fold_followers=True)
+                                 contiguous_kv=False, fold_followers=True,
+                                 shape_buckets=0 if metal_is_available() else GPU_SHAPE_BUCKETS)
     return paged_attention

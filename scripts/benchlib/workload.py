@@ -114,6 +114,13 @@ def fresh(requests, tag: str) -> list:
     return out
 
 
+def vary_questions(requests, rng, most_words: int = 7) -> list:
+    """Each request's question 0-`most_words` words longer, drawn per request: prompt lengths differ from call to
+    call as a job's do, so a run meets shapes it has not met before (what fixed workloads never pay)."""
+    return [dataclasses.replace(r, question=r.question + " now" * int(rng.integers(0, most_words + 1)))
+            for r in requests]
+
+
 def prompt_ids(bench: BenchModel, request) -> list[int]:
     """The request's prompt as the engine builds it (the family's layout: timestamps for Qwen3-VL)."""
     ckpt, clf = bench.checkpoint, bench.classifier

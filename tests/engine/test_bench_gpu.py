@@ -93,6 +93,8 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path):
         assert figures[prefix + "vision_host_syncs"] == 0            # the planned tower never waits for the device
         assert figures[prefix + "mlx_vlm_vision_host_syncs"] > 0     # mlx-vlm's does (the counter sees syncs)
         assert figures[prefix + "lm_host_syncs_in_layers"] == 0
+        for key in ("engine_varied_requests_per_s", "wall_vs_ideal_varied"):   # questions varied run by run
+            assert math.isfinite(figures[prefix + key]) and figures[prefix + key] > 0, prefix + key
     rows = {"qwen2_5_vl": report, "qwen3_vl": report["qwen3_vl"]}
     for model_type, row in rows.items():
         assert row["model_type"] == model_type and set(row["timings_s"]) >= {"build", "vision", "lm_profile"}
@@ -105,6 +107,7 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path):
         assert figures[("" if model_type == "qwen2_5_vl" else "qwen3_vl.") + "lm_ragged_sdpa_calls_per_layer"] >= 1
         assert vp["block_kinds"] and vp["steps_ms"]["patch_embed"] > 0
         assert row["attention"]["follower"]["engine_attention_sdpa_calls"] >= 1
+        assert row["engine"]["varied_ideal_s"] > row["engine"]["ideal_s"]   # longer questions: more FLOPs
         tl = row["engine"]["timeline"]   # the step timeline: one entry per step, device work a share of the run
         assert tl["steps"] == len(tl["tokens_per_step"]) >= 1 and 0 < figures[
             ("" if model_type == "qwen2_5_vl" else "qwen3_vl.") + "engine_forward_share"] <= 1

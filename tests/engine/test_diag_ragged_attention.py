@@ -1,7 +1,8 @@
-"""The two diagnostics behind issue 19's ragged-batch figures run where CI runs (MLX on the CPU, small shapes) and
-report what the GPU results quote: scripts/diag_ragged_attention.py (the pieces of one layer's attention, the
-word gathers bit-identical to plain ones) and scripts/diag_classify_overhead.py (an engine call against its
-forward alone, call by call, with fixed and with varying prompt lengths)."""
+"""The diagnostics behind issue 19's ragged-batch and per-shape figures run where CI runs (MLX on the CPU, small
+shapes) and report what the GPU results quote: scripts/diag_ragged_attention.py (the pieces of one layer's
+attention, the word gathers bit-identical to plain ones), scripts/diag_classify_overhead.py (an engine call against
+its forward alone, call by call, with fixed and with varying prompt lengths, attention shapes bucketed or exact) and
+scripts/diag_shape_costs.py (each op of a layer on its first call at a new size against the same call again)."""
 from __future__ import annotations
 
 import json
@@ -31,10 +32,20 @@ def test_diag_ragged_attention_smoke(tmp_path):
 
 
 def test_diag_classify_overhead_smoke(tmp_path):
-    report = _run("diag_classify_overhead.py", "--smoke", "--calls", "1", "--vary", tmp_path=tmp_path)
-    assert report["vary"] is True
+    report = _run("diag_classify_overhead.py", "--smoke", "--calls", "1", "--vary", "--buckets", "4",
+                  tmp_path=tmp_path)
+    assert report["vary"] is True and report["buckets"] == 4
     for name in ("equal", "ragged"):
         (call,) = report[name]["calls_ms"]
         assert call["total"] >= call["forward"] > 0 and call["prepare"] > 0
         assert abs(call["total"] - sum(call[k] for k in ("prepare", "schedule", "video_rows", "forward", "rest"))) < 1e-6
         assert report[name]["forward_alone_median_ms"] > 0
+
+
+def test_diag_shape_costs_smoke(tmp_path):
+    report = _run("diag_shape_costs.py", "--smoke", "--sizes", "2", tmp_path=tmp_path)
+    assert {"gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "rms_norm", "swiglu", "rope_compiled", "take_rows",
+            "sdpa_causal", "sdpa_masked", "write_kv", "embed_take", "deepstack_add"} <= set(report["ops"])
+    for name, op in report["ops"].items():
+        assert len(op["runs"]) == 2 and len({r["tokens"] for r in op["runs"]}) == 2, name   # fresh sizes
+        assert op["first_ms"] > 0 and op["again_ms"] > 0 and op["extra_ms"] == op["first_ms"] - op["again_ms"]

@@ -22,12 +22,14 @@ import pytest
 from batchjob.engine import Classifier, EngineConfig
 from batchjob.engine.preprocess import preprocess_video
 from batchjob.metal_backend import paged_attention
+from batchjob.metal_backend.attention_plan import GPU_SHAPE_BUCKETS
 from batchjob.metal_backend.selection import GPU_GROUP_ROWS, GPU_QUERY_CHUNK
 
 NAMES = ["qwen2_5_vl-gqa", "qwen2_vl-mha", "qwen3_vl", "qwen3_vl_moe"]
-# The GPU's attention settings (one call over whole groups, K/V views, followers folded) in fp32 on the CPU.
+# CUDA's attention settings (one call over whole groups padded to repeating lengths, K/V views, followers folded)
+# in fp32 on the CPU.
 GPU_ATTENTION = functools.partial(paged_attention, query_chunk=GPU_QUERY_CHUNK, group_rows=GPU_GROUP_ROWS,
-                                  contiguous_kv=False, fold_followers=True)
+                                  contiguous_kv=False, fold_followers=True, shape_buckets=GPU_SHAPE_BUCKETS)
 
 
 def _mlx_vlm_model(path: str, model_type: str):

@@ -10,14 +10,17 @@ import numpy as np
 import pytest
 
 from batchjob.metal_backend import SeqSlice, build_attention_metadata, paged_attention
-from batchjob.metal_backend.attention_plan import (FOLD_SLACK, PAD_SLACK, causal_work, padded_groups,
-                                                    plan_attention, stack_folds)
+from batchjob.metal_backend.attention_plan import (FOLD_SLACK, GPU_SHAPE_BUCKETS, PAD_SLACK, bucketed, causal_work,
+                                                    padded_groups, plan_attention, stack_folds)
 from batchjob.metal_backend.probe import make_ragged_batch
 
-SETTINGS = {  # the CPU's defaults, the GPU's (bf16) settings, and small chunks that force every path at once
+SETTINGS = {  # the CPU's defaults, CUDA's and Metal's (bf16) settings, and small chunks and coarse buckets that
+    # force every path at once
     "cpu": dict(),
-    "gpu": dict(query_chunk=4096, group_rows=1 << 16, contiguous_kv=False, fold_followers=True),
-    "tight": dict(query_chunk=24, group_rows=40, fold_followers=True),
+    "gpu": dict(query_chunk=4096, group_rows=1 << 16, contiguous_kv=False, fold_followers=True,
+                shape_buckets=GPU_SHAPE_BUCKETS),
+    "metal": dict(query_chunk=4096, group_rows=1 << 16, contiguous_kv=False, fold_followers=True),
+    "tight": dict(query_chunk=24, group_rows=40, fold_followers=True, shape_buckets=2),
 }
 
 
@@ -88,7 +91,7 @@ def test_grouped_attention_matches_dense_per_sequence_reference(rng, dense_refer
     assert np.abs(np.array(out) - np.array(per_sequence)).max() < 1e-5
 
 
-def check_plan(plan, q_lens, cached, *, query_chunk, group_rows, pad_slack=PAD_SLACK):
+def check_plan(plan, q_lens, cached, *, query_chunk, group_rows, pad_slack=PAD_SLACK, buckets=0):
     """Invariants every plan must keep, checked from the calls alone."""
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     seen = np.concatenate([c.out_tokens[c.out_tokens >= 0] for c in plan.calls])
@@ -106,6 +109,11 @@ def check_plan(plan, q_lens, cached, *, query_chunk, group_rows, pad_slack=PAD_S
         if c.q_start is not None:
             assert np.array_equal(c.q_tokens, c.q_start + np.arange(c.n * c.q_len))
         rows = c.out_tokens.reshape(c.n, c.q_len)
+        longest = int((rows >= 0).sum(axis=1).max())   # the group's longest real rows: what it pads to
+        if c.mask == "causal":
+            assert c.q_len == bucketed(longest, buckets), "causal calls padded to the bucket of their longest"
+        else:
+            assert c.q_len == longest, "one-row calls are never padded"
         for s, r in zip(c.seqs, rows):
             mine = r[r >= 0]
             assert np.all((mine >= cu[s]) & (mine < cu[s + 1])), "a call's rows belong to their own sequence"
@@ -122,8 +130,8 @@ def check_plan(plan, q_lens, cached, *, query_chunk, group_rows, pad_slack=PAD_S
         if c.mask == "causal" and c.n > 1:
             prefix = c.k_len - c.q_len
             real_work = sum(causal_work(int(q_lens[s]), prefix) for s in c.seqs)
-            assert c.n * causal_work(c.q_len, prefix) <= pad_slack * real_work + 1e-9
-            assert c.n * c.q_len <= group_rows
+            assert c.n * causal_work(longest, prefix) <= pad_slack * real_work + 1e-9
+            assert c.n * longest <= group_rows
         if c.key_tokens is not None:
             assert all(cached[s] == 0 for s in c.seqs)
             keys = c.key_tokens.reshape(c.n, c.k_len)
@@ -139,10 +147,45 @@ def test_plan_invariants_on_random_batches(rng, trial):
     prefixes = [0, 0, 16, 2064, int(rng.integers(1, 3000))]
     cached = [int(rng.choice(prefixes)) for _ in range(n)]
     query_chunk, group_rows = int(rng.choice([64, 512, 4096])), int(rng.choice([1, 512, 1 << 16]))
-    group_rows = max(group_rows, 1)
+    buckets = int(rng.choice([0, 2, GPU_SHAPE_BUCKETS]))
     plan = plan_attention(np.concatenate([[0], np.cumsum(q_lens)]), np.add(q_lens, cached), query_chunk=query_chunk,
-                          group_rows=group_rows)
-    check_plan(plan, q_lens, cached, query_chunk=query_chunk, group_rows=group_rows)
+                          group_rows=group_rows, buckets=buckets)
+    check_plan(plan, q_lens, cached, query_chunk=query_chunk, group_rows=group_rows, buckets=buckets)
+
+
+def test_bucketed_lengths_are_few_and_close_above(rng):
+    """`bucketed`: never shorter, at most 1/per_octave longer, idempotent and monotone, and exactly `per_octave`
+    lengths per octave above the small ones (which stay exact)."""
+    for per_octave in (1, 2, 4, 8, 16):
+        n = np.sort(rng.integers(1, 20000, size=400))
+        b = np.array([bucketed(int(x), per_octave) for x in n])
+        assert np.all(b >= n) and np.all(b <= n * (1 + 1 / per_octave)) and np.all(np.diff(b) >= 0)
+        assert all(bucketed(int(x), per_octave) == x for x in b)
+        assert len({bucketed(x, per_octave) for x in range(1025, 2049)}) == per_octave
+        assert all(bucketed(x, per_octave) == x for x in range(1, per_octave + 1))
+    assert bucketed(1700, 0) == 1700 and bucketed(1700, GPU_SHAPE_BUCKETS) == 1792
+
+
+def test_questions_of_different_lengths_reuse_the_same_sdpa_shapes(rng):
+    """What the buckets are for: a job's passes hold clips whose prompts differ by a few words and clips'
+    followers whose questions differ too; without buckets nearly every pass makes SDPA calls of shapes never
+    seen before (each a new cuDNN graph on CUDA), with them a handful of shapes recur."""
+    def shapes(buckets):
+        seen = set()
+        for _ in range(30):
+            leaders = [int(x) for x in 1500 + rng.integers(0, 40, size=4)]   # a clip and its first question
+            followers = [int(x) for x in 30 + rng.integers(0, 25, size=3)]    # the clip's other questions
+            q_lens, cached = leaders + followers, [16] * 4 + [1530] * 3
+            tables = np.tile(np.arange(200), (7, 1))   # the followers share the clip's cached blocks
+            cu = np.concatenate([[0], np.cumsum(q_lens)])
+            plan = plan_attention(cu, np.add(q_lens, cached), query_chunk=4096, group_rows=1 << 16,
+                                  block_tables=tables, block_size=16, buckets=buckets)
+            check_plan(plan, q_lens, cached, query_chunk=4096, group_rows=1 << 16, buckets=buckets)
+            seen |= {(c.batch, c.q_len, c.k_len) for c in plan.calls}
+        return seen
+
+    without, with_buckets = len(shapes(0)), len(shapes(GPU_SHAPE_BUCKETS))
+    assert without >= 25 and with_buckets <= 12, (without, with_buckets)
 
 
 def test_plan_shapes_for_the_engines_cases():
@@ -200,7 +243,7 @@ class SdpaSpy:
         return self.real(q, k, v, **kwargs)
 
 
-@pytest.mark.parametrize("setting", ["cpu", "gpu"])
+@pytest.mark.parametrize("setting", ["cpu", "gpu", "metal"])
 def test_packed_equal_length_prefill_is_one_sdpa_call_per_layer(rng, dense_reference, monkeypatch, setting):
     n, q_len, layers = int(rng.integers(2, 9)), int(rng.integers(2, 512 // 8)), 4
     batch = make_ragged_batch(rng, [q_len] * n, [0] * n, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
@@ -209,7 +252,8 @@ def test_packed_equal_length_prefill_is_one_sdpa_call_per_layer(rng, dense_refer
     for _ in range(layers):  # one forward pass: the plan is built by the first layer and reused
         out = fn(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, new_kv=new_kv_of(batch))
     assert len(spy.calls) == layers
-    assert spy.calls[0] == ((n, 4, q_len, 32), (n, 2, q_len, 32))
+    rows = bucketed(q_len, SETTINGS[setting].get("shape_buckets", 0))   # CUDA pads to a repeating length
+    assert spy.calls[0] == ((n, 4, rows, 32), (n, 2, rows, 32))
     assert np.abs(np.array(out).astype(np.float64) - dense_reference(batch, 0.2)).max() < 1e-5
     spy.calls.clear()  # the per-sequence baseline pays one call per sequence
     paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, group_rows=1)
@@ -332,7 +376,8 @@ def test_twelve_followers_are_one_call_that_reads_the_prefix_once(rng, dense_ref
     spy = SdpaSpy(monkeypatch)
     out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, new_kv=new_kv_of(batch),
                           **SETTINGS["gpu"])
-    assert spy.calls == [((1, 4, 480, 32), (1, 2, 2064 + 480, 32))]   # vs 12 x (2064 + 40) keys padded
+    keys = bucketed(2064 + 480, GPU_SHAPE_BUCKETS)   # (the keys padded to CUDA's bucket, seen by no row)
+    assert spy.calls == [((1, 4, 480, 32), (1, 2, keys, 32))]   # vs 12 x (2064 + 40) keys padded
     assert out.dtype == dtype
     assert np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - dense_reference(batch, 0.2)).max() < tol
     unshared = make_ragged_batch(rng, q_lens, cached, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
@@ -430,3 +475,26 @@ def test_rows_move_as_words_with_their_bits_unchanged(rng, dtype):
         assert got.dtype == dtype and got.shape == want.shape
         bits = mx.uint16 if dtype.size == 2 else mx.uint32
         assert mx.array_equal(got.view(bits), want.view(bits)).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_packed_rows_of_a_stacked_projection_gather_the_same_bits(rng, dtype):
+    """`PackedRows`: the heads of a stacked projection (q's or k's, a strided view) gathered as words of one
+    contiguous copy equal `mx.take` of the view, bit for bit, for every call of a layer; runs stay views."""
+    from batchjob.metal_backend.attention import PackedRows, _rows_of
+
+    t, hq, hkv, d = int(rng.integers(8, 40)), 4, 2, int(rng.choice([16, 36]))   # 36: rows that make no words
+    qkv = mx.array(rng.standard_normal((t, hq + 2 * hkv, d)).astype(np.float32)).astype(dtype)
+    for view in (qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]):
+        rows = PackedRows(view)
+        for _ in range(3):   # several calls of one layer share the copy
+            n, length = int(rng.integers(1, 4)), int(rng.integers(1, 6))
+            tokens = rng.integers(0, t, size=n * length).astype(np.int32)
+            got = _rows_of(rows, None, tokens, n, length, lambda build: build())
+            want = mx.take(view, mx.array(tokens), axis=0).reshape(n, length, -1, d).transpose(0, 2, 1, 3)
+            bits = mx.uint16 if dtype.size == 2 else mx.uint32
+            assert got.shape == want.shape and mx.array_equal(got.view(bits), want.view(bits)).item()
+        start = int(rng.integers(0, t - 4))
+        run = _rows_of(rows, start, np.arange(start, start + 4, dtype=np.int32), 2, 2, lambda build: build())
+        assert mx.array_equal(run, view[start:start + 4].reshape(2, 2, -1, d).transpose(0, 2, 1, 3)).item()
+    assert rows._contiguous is not None   # made once, by the first gather

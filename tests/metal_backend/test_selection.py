@@ -128,15 +128,20 @@ def test_probe_can_be_skipped():
     assert backend.name == "metal" and backend.fn is sentinel and "skipped" in backend.reason
 
 
-def test_gpu_portable_path_uses_long_query_chunks_only_in_half_precision(rng):
+@pytest.mark.parametrize("metal", [False, True])
+def test_gpu_portable_path_uses_long_query_chunks_only_in_half_precision(rng, monkeypatch, metal):
+    from batchjob.metal_backend import selection
+    from batchjob.metal_backend.attention_plan import GPU_SHAPE_BUCKETS
     from batchjob.metal_backend.probe import make_ragged_batch
     from batchjob.metal_backend.selection import GPU_GROUP_ROWS, GPU_QUERY_CHUNK, gpu_portable_attention
 
+    monkeypatch.setattr(selection, "metal_is_available", lambda: metal)
     shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
     assert gpu_portable_attention(mx.float32) is paged_attention  # unfused on CUDA: keep score matrices small
     fn = gpu_portable_attention(mx.bfloat16)
     assert fn.keywords == {"query_chunk": GPU_QUERY_CHUNK, "group_rows": GPU_GROUP_ROWS, "contiguous_kv": False,
-                           "fold_followers": True}
+                           "fold_followers": True,
+                           "shape_buckets": 0 if metal else GPU_SHAPE_BUCKETS}   # cuDNN's graphs are per shape
     batch = make_ragged_batch(rng, [700, 3], [0, 40], dtype=mx.float32, **shape)
     np.testing.assert_allclose(np.array(fn(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)),
                                np.array(paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)),
