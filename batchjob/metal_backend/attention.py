@@ -100,8 +100,8 @@ class PackedRows:
 
     Its rows are usually heads of a stacked projection: a strided view, which MLX gathers one element per
     thread. Where a call gathers (padded groups), the array is copied row-contiguous once for all the layer's
-    calls and its rows gathered as 64-bit words (`take_rows`); views of contiguous runs copy nothing. On Metal
-    the gather reads the view as it is (`take_rows`)."""
+    calls and its rows gathered as 64-bit words (`take_rows`); views of contiguous runs copy nothing. On Metal,
+    and for rows that make no whole words, the view is gathered as it is (`mx.take`)."""
 
     def __init__(self, x: mx.array):
         self.x = x
