@@ -311,8 +311,8 @@ def loaders() -> None:
 
 
 @app.command()
-def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets (default $BATCHJOB_CACHE or "
-                                                          "~/.cache/batchjob)"),
+def demo(cache: Optional[Path] = typer.Option(None, help="where to build assets (default: $BATCHJOB_CACHE, else "
+                                                          "$XDG_CACHE_HOME/batchjob, else ~/.cache/batchjob)"),
          clips: int = typer.Option(16, min=1, help="number of synthetic clips (3 or 4 questions each)"),
          model_type: Optional[str] = typer.Option(None, help="tiny model family: qwen3_vl (the default; trained on "
                                                   "clips whose motion no single frame shows), qwen2_5_vl (trained "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from batchjob.cache_home import cache_home
 from batchjob.demo_model import DEFAULT_MODEL_TYPE
 
 # Clip layout shared with the training data (`batchjob.synthetic.trainer`): size, frame rate, lengths.
@@ -24,7 +25,7 @@ GOP_KINDS = {"gop0.5s": {"gop_seconds": 0.5}, "1key": {"single_keyframe": True}}
 
 
 def demo_dir(cache: str | os.PathLike | None = None) -> Path:
-    base = Path(cache) if cache else Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob"))
+    base = Path(cache) if cache else cache_home()
     return (base / "demo").expanduser().resolve()
 
 

@@ -137,14 +137,15 @@ def break_even_rows(ours: dict, base: dict) -> float | None:
 
 
 def main() -> None:
+    from batchjob.cache_home import cache_home
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clips", type=int, default=400, help="clips in the job (3 questions each)")
     ap.add_argument("--distinct", type=int, default=40, help="clips actually encoded (the rest are hard links)")
     ap.add_argument("--num-frames", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cache", type=Path, default=Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache/batchjob"))
-                    / "bench")
+    ap.add_argument("--cache", type=Path, default=cache_home() / "bench")
     ap.add_argument("--baseline-worker", nargs=3, metavar=("MODEL", "MANIFEST", "NUM_FRAMES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -48,6 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from batchjob.cache_home import cache_home
 from benchlib.job_baseline import baseline_worker, run_baseline
 from benchlib.job_inputs import checkpoint_pixels, ensure_in_process_model, in_process_config, job_checkpoint, job_data
 from benchlib.job_models import MODELS
@@ -93,8 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--run-timeout-s", type=float, default=420.0, help="a method running longer is stopped")
     ap.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPU cores)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cache", type=Path,
-                    default=Path(os.environ.get("BATCHJOB_CACHE", Path.home() / ".cache/batchjob")) / "bench-gpu")
+    ap.add_argument("--cache", type=Path, default=cache_home() / "bench-gpu")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--smoke", action="store_true", help="tiny clips and model on any device: checks the script")
     ap.add_argument("--tiny-model", action="store_true", help="real-sized clips, tiny model (a CPU check of the "

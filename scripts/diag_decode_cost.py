@@ -13,7 +13,6 @@ Not a loader benchmark (no seek, no colour conversion); the sampler curve measur
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -49,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     from benchlib.env import environment, results_path, save_json
     from benchlib.scene_gops import SINGLE, ScenePlan, build_scene_set
 
+    from batchjob.cache_home import cache_home
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_type_argument(parser)   # whose scenes (the motion they are drawn with)
     parser.add_argument("--reach", type=int, nargs="+", default=[0, 3, 36, 120, 240])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
-        "BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "sampler_clips")
+    parser.add_argument("--cache", type=Path, default=cache_home() / "sampler_clips")
     parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/diag-decode-cost-...)")
     args = parser.parse_args(argv)
     if args.repeats < 1 or min(args.reach) < 0:

@@ -20,7 +20,6 @@ the direction and order questions.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import defaultdict
@@ -100,6 +99,7 @@ def reprint(path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "scripts"))
+    from batchjob.cache_home import cache_home
     from benchlib.demo_models import add_model_type_argument, demo_model, told_as
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gops", type=float, nargs="+", default=[0.5, 2, 5, 10, 0],
                         help="GOP lengths in seconds; 0 = a single keyframe")
     parser.add_argument("--loaders", nargs="+", default=list(LOADERS), help="name or name:key=value,...")
-    parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
-        "BATCHJOB_CACHE", Path.home() / ".cache" / "batchjob")) / "sampler_clips")
+    parser.add_argument("--cache", type=Path, default=cache_home() / "sampler_clips")
     parser.add_argument("--workers", type=int, default=1, help="processes encoding scenes (first run only)")
     parser.add_argument("--model-seconds", type=float, default=4.0,
                         help="the clip duration the model is told (its training range: 2-6 s); 0: the true one")

@@ -74,9 +74,9 @@ def activate(device: str) -> None:
     mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
 
 
-def kernel_cache_dir(cache_home: str | None = None, architecture: str | None = None) -> Path:
+def kernel_cache_dir(home: str | None = None, architecture: str | None = None) -> Path:
     """Where compiled CUDA kernels are kept: per MLX version and GPU architecture, under the user's cache."""
-    return kernel_cache_root(cache_home) / mx.__version__ / (architecture or "unknown")
+    return kernel_cache_root(home) / mx.__version__ / (architecture or "unknown")
 
 
 def keep_compiled_kernels() -> Path | None:

@@ -78,8 +78,11 @@ def test_kernel_cache_is_one_tree_and_its_root_needs_no_mlx(tmp_path, monkeypatc
     from batchjob.engine.kernel_cache import kernel_cache_root
 
     assert kernel_cache_dir(str(tmp_path), "sm_90") == kernel_cache_root(str(tmp_path)) / mx.__version__ / "sm_90"
+    monkeypatch.delenv("BATCHJOB_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert kernel_cache_root() == tmp_path / "xdg" / "batchjob" / "mlx-cuda-kernels"
+    monkeypatch.setenv("BATCHJOB_CACHE", str(tmp_path / "mine"))   # the one setting that moves every cache
+    assert kernel_cache_root() == tmp_path / "mine" / "mlx-cuda-kernels"
     assert kernel_cache_dir(architecture="sm_90").is_relative_to(kernel_cache_root())
     code = "import sys, batchjob.engine.kernel_cache as k; k.kernel_cache_root(); print('mlx' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
