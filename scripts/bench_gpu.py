@@ -176,9 +176,12 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
     d_s, _ = timed(lambda: whole(distinct, f"d{time.perf_counter()}"), args.repeats)
     rng_vary, varied = np.random.default_rng(1), []   # the same job with questions a few words longer, drawn anew
     v_s, _ = timed(lambda: varied.append(whole(vary_questions(workload, rng_vary), f"v{len(varied)}")), args.repeats)
-    varied_flops = sum(request_flops(r.prompt_tokens, r.cached_tokens, layers, dims) for r in varied[0]) \
-        + args.clips * v_flops
-    job_flops = sum(request_flops(r.prompt_tokens, r.cached_tokens, layers, dims) for r in res) + args.clips * v_flops
+
+    def job_flops_of(results):   # the prompts as the engine ran them (cached prefixes not counted), and the towers
+        lm = sum(request_flops(r.prompt_tokens, r.cached_tokens, layers, dims) for r in results)
+        return lm + args.clips * v_flops
+
+    job_flops, varied_flops = job_flops_of(res), job_flops_of(varied[0])
     d_flops = lm_flops + len(distinct) * v_flops   # the distinct clips' prompts as the LM prefill ran them
     n = len(workload)
     row["engine"] = {"requests": n, "wall_s": e2e_s, "requests_per_s": n / e2e_s,

@@ -82,9 +82,14 @@ def take_rows(x: mx.array, indices: mx.array) -> mx.array:
     words where their bytes allow: the same bits, a quarter of the elements for a half-precision row (MLX's CUDA
     gather moves one element per thread). Not on Metal, where 8-byte words were never measured (MLX's GPU
     scatter refuses them, so the KV write stays at 32-bit words everywhere)."""
-    if (x.shape[-1] * x.dtype.size) % 8 or mx.metal.is_available():
+    if not _rows_are_words(x):
         return mx.take(x, indices, axis=0)
     return mx.take(x.view(mx.uint64), indices, axis=0).view(x.dtype)
+
+
+def _rows_are_words(x: mx.array) -> bool:
+    """Whether `take_rows` moves `x`'s rows as 64-bit words (whole words a row, not on Metal)."""
+    return (x.shape[-1] * x.dtype.size) % 8 == 0 and not mx.metal.is_available()
 
 
 def _memo(meta: AttentionMetadata, key: tuple, build):
@@ -107,32 +112,32 @@ class PackedRows:
         self.x = x
         self._contiguous: mx.array | None = None
 
-    def take(self, indices: mx.array) -> mx.array:
-        if (self.x.shape[-1] * self.x.dtype.size) % 8 or mx.metal.is_available():
+    def rows(self, start: int | None, tokens: np.ndarray, n: int, length: int, memo) -> mx.array:
+        """Rows as `[n, H, length, D]`: a view of the run `[start, start + n * length)`, else a gather of
+        `tokens` (the index array built once per forward through `memo`).
+
+        The view keeps the token-major layout (strides independent of T); fused SDPA reads it as it is and
+        writes its output in the same layout, so turning the output back into packed rows is free as well."""
+        _, h, d = self.x.shape
+        if start is not None:
+            rows = self.x[start : start + n * length]
+        else:
+            rows = self._take(memo(lambda: mx.array(tokens)))
+        return rows.reshape(n, length, h, d).transpose(0, 2, 1, 3)
+
+    def _take(self, indices: mx.array) -> mx.array:
+        if not _rows_are_words(self.x):
             return mx.take(self.x, indices, axis=0)
         if self._contiguous is None:
             self._contiguous = mx.contiguous(self.x)
         return take_rows(self._contiguous, indices)
 
 
-def _rows_of(x: PackedRows, start: int | None, tokens: np.ndarray, n: int, length: int, memo) -> mx.array:
-    """Rows of a packed `[T, H, D]` array as `[n, H, length, D]`: a view of a contiguous run, else a gather.
-
-    The view keeps the token-major layout (strides independent of T); fused SDPA reads it as it is and writes
-    its output in the same layout, so turning the output back into packed rows is free as well."""
-    _, h, d = x.x.shape
-    if start is not None:
-        rows = x.x[start : start + n * length]
-    else:
-        rows = x.take(memo(lambda: mx.array(tokens)))
-    return rows.reshape(n, length, h, d).transpose(0, 2, 1, 3)
-
-
 def _call_keys(call: SdpaCall, index: int, plan_key: tuple, k_cache, v_cache, meta, dtype, fresh, contiguous):
     """K and V `[n, Hkv, k_len, D]` of one call: this layer's new K/V when nothing is cached, else the cache."""
     if fresh is not None and call.key_tokens is not None:
         memo = lambda build: _memo(meta, plan_key + (index, "key_tokens"), build)  # noqa: E731
-        k, v = (_rows_of(x, call.k_start, call.key_tokens, call.n, call.k_len, memo) for x in fresh)
+        k, v = (x.rows(call.k_start, call.key_tokens, call.n, call.k_len, memo) for x in fresh)
         return (mx.contiguous(k), mx.contiguous(v)) if contiguous else (k, v)
     seqs = list(call.seqs)
     tables = meta.block_tables_host[seqs]
@@ -207,7 +212,7 @@ def paged_attention(
     pieces = []
     for i, call in enumerate(plan.calls):
         memo = lambda build, i=i: _memo(meta, plan_key + (i, "q_tokens"), build)  # noqa: E731
-        q_g = _rows_of(q_rows, call.q_start, call.q_tokens, call.batch, call.q_len, memo)
+        q_g = q_rows.rows(call.q_start, call.q_tokens, call.batch, call.q_len, memo)
         k, v = _call_keys(call, i, plan_key, k_cache, v_cache, meta, q.dtype, fresh, contiguous_kv)
         mask = call.mask
         if mask == "keys":

@@ -481,7 +481,7 @@ def test_rows_move_as_words_with_their_bits_unchanged(rng, dtype):
 def test_packed_rows_of_a_stacked_projection_gather_the_same_bits(rng, dtype):
     """`PackedRows`: the heads of a stacked projection (q's or k's, a strided view) gathered as words of one
     contiguous copy equal `mx.take` of the view, bit for bit, for every call of a layer; runs stay views."""
-    from batchjob.metal_backend.attention import PackedRows, _rows_of
+    from batchjob.metal_backend.attention import PackedRows
 
     t, hq, hkv, d = int(rng.integers(8, 40)), 4, 2, int(rng.choice([16, 36]))   # 36: rows that make no words
     qkv = mx.array(rng.standard_normal((t, hq + 2 * hkv, d)).astype(np.float32)).astype(dtype)
@@ -490,11 +490,11 @@ def test_packed_rows_of_a_stacked_projection_gather_the_same_bits(rng, dtype):
         for _ in range(3):   # several calls of one layer share the copy
             n, length = int(rng.integers(1, 4)), int(rng.integers(1, 6))
             tokens = rng.integers(0, t, size=n * length).astype(np.int32)
-            got = _rows_of(rows, None, tokens, n, length, lambda build: build())
+            got = rows.rows(None, tokens, n, length, lambda build: build())
             want = mx.take(view, mx.array(tokens), axis=0).reshape(n, length, -1, d).transpose(0, 2, 1, 3)
             bits = mx.uint16 if dtype.size == 2 else mx.uint32
             assert got.shape == want.shape and mx.array_equal(got.view(bits), want.view(bits)).item()
         start = int(rng.integers(0, t - 4))
-        run = _rows_of(rows, start, np.arange(start, start + 4, dtype=np.int32), 2, 2, lambda build: build())
+        run = rows.rows(start, np.arange(start, start + 4, dtype=np.int32), 2, 2, lambda build: build())
         assert mx.array_equal(run, view[start:start + 4].reshape(2, 2, -1, d).transpose(0, 2, 1, 3)).item()
     assert rows._contiguous is not None   # made once, by the first gather
