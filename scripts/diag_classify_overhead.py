@@ -17,12 +17,10 @@ N lengths per octave (`attention_plan.bucketed`; 0 = exact shapes) instead of th
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,31 +47,14 @@ def main() -> None:
     from batchjob.engine import classifier as classifier_module
     from batchjob.engine import runner
     from batchjob.engine.scheduler import Scheduler
-    from batchjob.metal_backend import paged_attention
-    from batchjob.synthetic.random_engine import SHAPES
     from benchlib.profile_lm import _one_forward_batch
-    from benchlib.workload import build_model, cache_features, drop_features, fresh, make_workload, vary_questions
+    from benchlib.workload import cache_features, diag_engine, drop_features, equal_and_ragged, fresh, vary_questions
 
-    dims = dict(SHAPES[a.model][1 if a.smoke else 0])
-    frames, size = (4, (56, 56)) if a.smoke else (16, (448, 448))
-    engine = dict(device="auto" if a.smoke else "gpu", max_model_len=8192, memory_budget_gb=None,
-                  max_num_batched_tokens="auto")
-    tmp = Path(tempfile.mkdtemp(prefix="bj-overhead-"))
-    bench = build_model(a.model, dims, a.layers or dims["layers"], dims["v_depth"], frames, size, tmp,
-                        "float32" if a.smoke else "bfloat16", engine)
+    diag = diag_engine(a.model, smoke=a.smoke, layers=a.layers, buckets=a.buckets, tag="overhead")
+    bench, buckets = diag.bench, diag.buckets
     clf, ckpt = bench.classifier, bench.checkpoint
-    fn = getattr(clf._attention, "fn", clf._attention)   # the portable path, bare or with the GPU's settings
-    settings = dict(fn.keywords) if isinstance(fn, functools.partial) else {}
-    if a.buckets is not None:
-        if getattr(fn, "func", fn) is not paged_attention:
-            raise SystemExit(f"--buckets: this engine's attention ({clf._attention}) is not the portable path")
-        settings["shape_buckets"] = a.buckets
-        clf._attention = functools.partial(paged_attention, **settings)
-    buckets = settings.get("shape_buckets", 0)
     rng = np.random.default_rng(0)
-    batches = {"equal": make_workload(bench, rng, 8, 1, frames, size, "eq"), "ragged": []}
-    for i in range(8):
-        batches["ragged"] += make_workload(bench, rng, 1, 1, max(2, frames - 2 * (i % 6)), size, f"rg{i}")
+    batches = equal_and_ragged(diag, rng)
 
     phase_s: dict = {}
 

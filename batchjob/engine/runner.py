@@ -8,6 +8,7 @@ from the engine and only the last position of each finishing sequence reaches th
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -21,6 +22,13 @@ from .attention import AttentionContext, AttentionFn, attention_context
 from .fused_ops import pairs_suit, split_tables
 from .scheduler import ScheduledSlice
 from .video_features import FeatureRows
+
+# How many decoder layers the host may queue ahead of the one the GPU runs (0: build the whole pass, then run it).
+# Each layer is handed to MLX as soon as it is built, so the GPU starts on layer 0 while Python builds the rest;
+# waiting for layer i - LAYER_LAG before building past layer i bounds the activations alive at once to a few
+# layers' worth, which MLX's cache of freed buffers then serves from layer to layer (unpaced, MLX runs up to ten
+# command graphs ahead and a pass holds many layers' activations, more than the cache keeps).
+LAYER_LAG = 2
 
 
 @dataclass(frozen=True)
@@ -72,10 +80,13 @@ def forward(
     attention: AttentionFn,
     video_features: Mapping[str, FeatureRows],
     num_deepstack: int = 0,
+    lag: int | None = None,
 ) -> ForwardOutput:
     """Run the decoder over the packed batch, writing KV; logits only at finishing sequences' last token.
 
-    With DeepStack (Qwen3-VL), feature set i is added to the video tokens' hidden states after layer i."""
+    With DeepStack (Qwen3-VL), feature set i is added to the video tokens' hidden states after layer i. `lag`:
+    layers queued ahead of the GPU (default LAYER_LAG)."""
+    lag = LAYER_LAG if lag is None else lag
     lm = model.language_model
     meta = build_attention_metadata([s.attention_slice() for s in batch], kv_cache.block_size)
     positions = np.concatenate(
@@ -86,12 +97,18 @@ def forward(
     position_embeddings = rotary(h, mx.array(positions[:, None, :]))
     cos, sin = position_embeddings
     tables = split_tables(cos[0][:, None, :], sin[0][:, None, :]) if pairs_suit(cos.shape[-1]) else None
+    queued: deque = deque()
     with attention_context(AttentionContext(meta, kv_cache, attention, tables)):
         for i, layer in enumerate(lm.model.layers):
             h = layer(h, None, None, None, position_embeddings)
             if video is not None and i < num_deepstack:
                 width = h.shape[-1]
                 h = h.at[:, video.token_index].add(video.rows[None, :, width * (i + 1):width * (i + 2)].astype(h.dtype))
+            if lag > 0:
+                mx.async_eval(h, kv_cache.k[i], kv_cache.v[i])
+                queued.append(h)
+                if len(queued) > lag:
+                    mx.eval(queued.popleft())   # the GPU still holds `lag` layers: the host waits, the GPU does not
     finished = [i for i, s in enumerate(batch) if s.is_last_chunk]
     if not finished:  # a chunk of a long prompt: only the cache writes matter
         mx.eval(kv_cache.k, kv_cache.v)

@@ -3,8 +3,9 @@ forward's real shapes, the whole layer, the whole forward, and the host's share 
 
 What is left after the steps is reported, not hidden: `other_ms` = whole layer - sum of its steps (fusion
 losses, allocation, launches between kernels), `outside_layers_ms` = forward - layers x whole layer
-(embedding, video rows, positions, LM head, the final sync), and `host_build_ms` (Python building the
-forward's graph before the device starts: the GPU idles through it unless forwards overlap).
+(embedding, video rows, positions, LM head, the final sync), and `host_build_ms` (the time to the forward's first
+`mx.eval`: unpaced, Python building the whole graph while the GPU idles; paced (`runner.LAYER_LAG`), the first wait
+for a layer, by which the GPU has run since the first layer was built).
 """
 from __future__ import annotations
 

@@ -126,3 +126,52 @@ def prompt_ids(bench: BenchModel, request) -> list[int]:
     ckpt, clf = bench.checkpoint, bench.classifier
     return ckpt.family.video_prompt(clf.prompts, request.question, request.options, request.clip.inputs) \
         .token_ids.tolist()
+
+
+@dataclasses.dataclass
+class DiagEngine:
+    """The engine the per-call diagnostics time: a model row in the published shape (or the small one on the CPU),
+    its clips' frame count and size, and the attention's shape buckets in force."""
+
+    bench: BenchModel
+    frames: int
+    size: tuple[int, int]
+    buckets: int
+
+
+def diag_engine(model_type: str, *, smoke: bool, layers: int | None, buckets: int | None, tag: str) -> DiagEngine:
+    """`build_model` as the diagnostics run it: bf16 on the GPU (float32 on the CPU for `smoke`), 16 frames at
+    448x448 (4 at 56x56), the engine's own token budget; `buckets` (None: the engine's setting) replaces the
+    portable attention's shape buckets (`attention_plan.bucketed`)."""
+    import functools
+    import tempfile
+
+    from batchjob.metal_backend import paged_attention
+    from batchjob.synthetic.random_engine import SHAPES
+
+    dims = dict(SHAPES[model_type][1 if smoke else 0])
+    frames, size = (4, (56, 56)) if smoke else (16, (448, 448))
+    engine = dict(device="auto" if smoke else "gpu", max_model_len=8192, memory_budget_gb=None,
+                  max_num_batched_tokens="auto")
+    tmp = Path(tempfile.mkdtemp(prefix=f"bj-{tag}-"))
+    bench = build_model(model_type, dims, layers or dims["layers"], dims["v_depth"], frames, size, tmp,
+                        "float32" if smoke else "bfloat16", engine)
+    clf = bench.classifier
+    fn = getattr(clf._attention, "fn", clf._attention)   # the portable path, bare or with the GPU's settings
+    settings = dict(fn.keywords) if isinstance(fn, functools.partial) else {}
+    if buckets is not None:
+        if getattr(fn, "func", fn) is not paged_attention:
+            raise SystemExit(f"--buckets: this engine's attention ({clf._attention}) is not the portable path")
+        settings["shape_buckets"] = buckets
+        clf._attention = functools.partial(paged_attention, **settings)
+    return DiagEngine(bench, frames, size, settings.get("shape_buckets", 0))
+
+
+def equal_and_ragged(diag: DiagEngine, rng) -> dict[str, list]:
+    """The diagnostics' two batches: eight clips of `frames` frames (one question each), and eight of 2 to
+    `frames` frames (a ragged batch: prompts of different lengths)."""
+    batches = {"equal": make_workload(diag.bench, rng, 8, 1, diag.frames, diag.size, "eq"), "ragged": []}
+    for i in range(8):
+        batches["ragged"] += make_workload(diag.bench, rng, 1, 1, max(2, diag.frames - 2 * (i % 6)), diag.size,
+                                           f"rg{i}")
+    return batches

@@ -2,7 +2,8 @@
 shapes) and report what the GPU results quote: scripts/diag_ragged_attention.py (the pieces of one layer's
 attention, the word gathers bit-identical to plain ones), scripts/diag_classify_overhead.py (an engine call against
 its forward alone, call by call, with fixed and with varying prompt lengths, attention shapes bucketed or exact) and
-scripts/diag_shape_costs.py (each op of a layer on its first call at a new size against the same call again)."""
+scripts/diag_shape_costs.py (each op of a layer on its first call at a new size against the same call again),
+scripts/diag_varied_forward.py (a fresh batch's forward against the same forward again, split at its evals)."""
 from __future__ import annotations
 
 import json
@@ -49,3 +50,16 @@ def test_diag_shape_costs_smoke(tmp_path):
     for name, op in report["ops"].items():
         assert len(op["runs"]) == 2 and len({r["tokens"] for r in op["runs"]}) == 2, name   # fresh sizes
         assert op["first_ms"] > 0 and op["again_ms"] > 0 and op["extra_ms"] == op["first_ms"] - op["again_ms"]
+
+
+def test_diag_varied_forward_smoke(tmp_path):
+    report = _run("diag_varied_forward.py", "--smoke", "--batches", "1", "--repeats", "1", "--lag", "1",
+                  "--cache-limit-gb", "1", tmp_path=tmp_path)
+    assert report["layer_lag"] == 1 and report["memory"]["max_num_batched_tokens"] > 0
+    for name in ("equal", "ragged"):
+        (batch,) = report[name]["batches"]
+        assert batch["tokens"] > 0 and len(batch["again"]) == 1
+        for f in [batch["first"], *batch["again"]]:
+            assert f["total"] >= f["eval"] > 0 and abs(f["total"] - f["build"] - f["eval"]) < 1e-6
+            assert f["evals"] >= 1 and f["peak_gb"] > 0
+        assert report[name]["median"]["first_total_ms"] == batch["first"]["total"]
