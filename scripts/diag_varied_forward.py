@@ -154,14 +154,14 @@ def main() -> None:
     clf, ckpt = bench.classifier, bench.checkpoint
     traces = Path(tempfile.mkdtemp(prefix="bj-cupti-"))
     if a.cache_limit_gb is not None:
-        mx.set_cache_limit(int(a.cache_limit_gb * 2**30))
+        mx.set_cache_limit(int(a.cache_limit_gb * 2**30))   # raised or lowered: the engine's cap only lowers
     if a.lag is not None:
         runner.LAYER_LAG = a.lag
     if a.pool_keep:
         print("pool release threshold:", pool_attribute(RELEASE_THRESHOLD, 2**64 - 1))
+    cache_limit = clf.buffer_cache_bytes if a.cache_limit_gb is None else int(a.cache_limit_gb * 2**30)
     memory = {**clf.memory.as_dict(), "max_num_batched_tokens": clf.max_num_batched_tokens,
-              "buffer_cache_gb": mx.set_cache_limit(mx.set_cache_limit(0)) / 2**30,
-              "active_gb": mx.get_active_memory() / 2**30, "device_gb": mx.device_info().get("memory_size", 0) / 2**30}
+              "buffer_cache_gb": cache_limit / 2**30, "active_gb": mx.get_active_memory() / 2**30}
     print("memory:", {k: v for k, v in memory.items() if not k.endswith("_bytes")})
     rng = np.random.default_rng(0)
     batches = equal_and_ragged(diag, rng)

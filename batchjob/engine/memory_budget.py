@@ -131,8 +131,9 @@ class MemoryPlan:
 
     @property
     def buffer_cache_bytes(self) -> int:
-        """How many freed device buffers MLX may keep for reuse: one forward's activations (what the next pass
-        reuses). MLX's own default is its whole memory limit; with the weights and the KV pool resident, a cache
+        """How many freed device buffers MLX may keep for reuse: one forward's activations. The runner keeps only a
+        few layers in flight (`runner.LAYER_LAG`), so a layer's buffers come back out of this cache for the layers
+        after it. MLX's own default is its whole memory limit; with the weights and the KV pool resident, a cache
         that large fills the device, and then every allocation the cache cannot serve first frees cached
         buffers, which slowed a Qwen3-VL-8B engine on an H100 more and more over a job."""
         return max(self.activation_bytes, MIN_BUFFER_CACHE)

@@ -18,6 +18,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
+import numpy as np
+
 MediaSpan = tuple[int, int, str]  # [start, end) token span whose content is the media item `media_id`
 
 
@@ -87,11 +89,12 @@ def hash_blocks(token_ids: Sequence[int], media: Sequence[MediaSpan], block_size
     a shifted span hashes differently) and block i-1's hash, so equal hashes mean equal whole prefixes.
     """
     hashes: list[bytes] = []
-    parent = b"batchjob-kv-v1"
-    for i in range(len(token_ids) // block_size):
+    parent = b"batchjob-kv-v2"
+    words = np.asarray(token_ids, dtype=np.int64)   # fixed-width bytes: no separator needed, no text built
+    for i in range(len(words) // block_size):
         lo, hi = i * block_size, (i + 1) * block_size
         h = hashlib.sha256(parent)
-        h.update(",".join(map(str, token_ids[lo:hi])).encode())
+        h.update(words[lo:hi].tobytes())
         for start, end, media_id in media:
             if start < hi and end > lo:
                 h.update(f"|{max(start, lo) - lo}:{min(end, hi) - lo}:{media_id}".encode())
