@@ -25,21 +25,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib.workload import add_diag_arguments  # noqa: E402
 
 PHASES = ("prepare", "schedule", "video_rows", "forward")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=("qwen2_5_vl", "qwen3_vl"), default="qwen3_vl")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the published depth)")
+    add_diag_arguments(ap)
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--gc-off", action="store_true")
     ap.add_argument("--vary", action="store_true",
                     help="every call's questions a few words longer or shorter, as a job's are: new shapes each call")
-    ap.add_argument("--buckets", type=int, default=None, help="SDPA lengths per octave (default: the engine's)")
-    ap.add_argument("--smoke", action="store_true", help="the small shape on the CPU (tests)")
-    ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     import mlx.core as mx
     import numpy as np

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib.workload import add_diag_arguments  # noqa: E402
 
 
 def timed_forward(mx, run) -> dict:
@@ -129,18 +130,14 @@ def profiled(mx, run, tmp: Path, tag: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=("qwen2_5_vl", "qwen3_vl"), default="qwen3_vl")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the published depth)")
+    add_diag_arguments(ap)
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--buckets", type=int, default=None, help="SDPA lengths per octave (default: the engine's)")
     ap.add_argument("--cupti", action="store_true", help="profile batch 1's first and second forward (torch)")
     ap.add_argument("--cache-limit-gb", type=float, default=None, help="mx.set_cache_limit after the engine's own")
     ap.add_argument("--pool-keep", action="store_true",
                     help="the default memory pool keeps freed memory (release threshold: all) instead of trimming it")
     ap.add_argument("--lag", type=int, default=None, help="runner.LAYER_LAG (layers queued ahead; 0: unpaced)")
-    ap.add_argument("--smoke", action="store_true", help="the small shape on the CPU (tests)")
-    ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     import mlx.core as mx
     import numpy as np

@@ -139,6 +139,16 @@ class DiagEngine:
     buckets: int
 
 
+def add_diag_arguments(ap) -> None:
+    """The options every per-call diagnostic takes: which model row, its depth, the attention's shape buckets,
+    the small CPU shape for tests, and where the JSON goes."""
+    ap.add_argument("--model", choices=("qwen2_5_vl", "qwen3_vl"), default="qwen3_vl")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the published depth)")
+    ap.add_argument("--buckets", type=int, default=None, help="SDPA lengths per octave (default: the engine's)")
+    ap.add_argument("--smoke", action="store_true", help="the small shape on the CPU (tests)")
+    ap.add_argument("--json", type=Path, default=None)
+
+
 def diag_engine(model_type: str, *, smoke: bool, layers: int | None, buckets: int | None, tag: str) -> DiagEngine:
     """`build_model` as the diagnostics run it: bf16 on the GPU (float32 on the CPU for `smoke`), 16 frames at
     448x448 (4 at 56x56), the engine's own token budget; `buckets` (None: the engine's setting) replaces the
