@@ -32,27 +32,19 @@ from benchlib.workload import add_diag_arguments  # noqa: E402
 
 
 def timed_forward(mx, run) -> dict:
-    """ms of one forward, split at the first `mx.eval` it calls; its memory figures."""
-    marks: list[float] = []
-    real_eval = mx.eval
-
-    def eval_marked(*args):
-        marks.append(time.perf_counter())
-        return real_eval(*args)
+    """ms of one forward, split at the first `mx.eval` it calls (`count_host_syncs` records it); its memory
+    figures."""
+    from benchlib.syncs import count_host_syncs
 
     mx.synchronize()
     mx.reset_peak_memory()
-    mx.eval = eval_marked
-    t0 = time.perf_counter()
-    try:
+    with count_host_syncs() as log:
         run()
-    finally:
-        mx.eval = real_eval
     mx.synchronize()
-    end = time.perf_counter()
-    at = marks[0] if marks else end
+    total = time.perf_counter() - log.start
+    at = total if log.first_eval_s is None else log.first_eval_s
     reserved = pool_attribute(RESERVED_MEM_CURRENT) / 2**30 if mx.default_device() == mx.gpu else 0.0
-    return {"build": (at - t0) * 1e3, "eval": (end - at) * 1e3, "total": (end - t0) * 1e3, "evals": len(marks),
+    return {"build": at * 1e3, "eval": (total - at) * 1e3, "total": total * 1e3, "evals": log.evals,
             "peak_gb": mx.get_peak_memory() / 2**30, "cache_gb": mx.get_cache_memory() / 2**30,
             "pool_reserved_gb": reserved}
 

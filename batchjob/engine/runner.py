@@ -80,13 +80,11 @@ def forward(
     attention: AttentionFn,
     video_features: Mapping[str, FeatureRows],
     num_deepstack: int = 0,
-    lag: int | None = None,
 ) -> ForwardOutput:
     """Run the decoder over the packed batch, writing KV; logits only at finishing sequences' last token.
 
-    With DeepStack (Qwen3-VL), feature set i is added to the video tokens' hidden states after layer i. `lag`:
-    layers queued ahead of the GPU (default LAYER_LAG)."""
-    lag = LAYER_LAG if lag is None else lag
+    With DeepStack (Qwen3-VL), feature set i is added to the video tokens' hidden states after layer i. Each
+    layer is queued as soon as it is built, at most LAYER_LAG ahead of the GPU."""
     lm = model.language_model
     meta = build_attention_metadata([s.attention_slice() for s in batch], kv_cache.block_size)
     positions = np.concatenate(
@@ -104,11 +102,11 @@ def forward(
             if video is not None and i < num_deepstack:
                 width = h.shape[-1]
                 h = h.at[:, video.token_index].add(video.rows[None, :, width * (i + 1):width * (i + 2)].astype(h.dtype))
-            if lag > 0:
+            if LAYER_LAG > 0:
                 mx.async_eval(h, kv_cache.k[i], kv_cache.v[i])
                 queued.append(h)
-                if len(queued) > lag:
-                    mx.eval(queued.popleft())   # the GPU still holds `lag` layers: the host waits, the GPU does not
+                if len(queued) > LAYER_LAG:
+                    mx.eval(queued.popleft())   # the GPU still holds LAYER_LAG layers: the host waits, the GPU does not
     finished = [i for i, s in enumerate(batch) if s.is_last_chunk]
     if not finished:  # a chunk of a long prompt: only the cache writes matter
         mx.eval(kv_cache.k, kv_cache.v)

@@ -153,10 +153,15 @@ def _call_keys(call: SdpaCall, index: int, plan_key: tuple, k_cache, v_cache, me
             gather_heads_major(v_cache, tables, call.k_len, dtype, rows, contiguous))
 
 
+def _plan_key(query_chunk: int, group_rows: int, pad_slack: float, fold: bool, buckets: int) -> tuple:
+    """The memo key of a forward's plan; the per-call index arrays derived from it extend this key."""
+    return ("attention_plan", query_chunk, group_rows, pad_slack, fold, buckets)
+
+
 def planned_attention(meta: AttentionMetadata, query_chunk: int, group_rows: int,
                       pad_slack: float = PAD_SLACK, fold: bool = False, buckets: int = 0) -> AttentionPlan:
     """`plan_attention` for this forward pass, built by the first layer and shared by every other one."""
-    return _memo(meta, ("attention_plan", query_chunk, group_rows, pad_slack, fold, buckets),
+    return _memo(meta, _plan_key(query_chunk, group_rows, pad_slack, fold, buckets),
                  lambda: plan_attention(meta.cu_seqlens_q_host, meta.context_lens_host, query_chunk=query_chunk,
                                         group_rows=group_rows, pad_slack=pad_slack,
                                         block_tables=meta.block_tables_host if fold else None,
@@ -203,7 +208,7 @@ def paged_attention(
                          f"{[x.shape for x in new_kv]}")
     rows = query_chunk if group_rows is None else group_rows
     plan = planned_attention(meta, query_chunk, rows, pad_slack, fold_followers, shape_buckets)
-    plan_key = ("attention_plan", query_chunk, rows, pad_slack, fold_followers, shape_buckets)
+    plan_key = _plan_key(query_chunk, rows, pad_slack, fold_followers, shape_buckets)
     hq = q.shape[1]
     fresh = None
     if new_kv is not None:  # the values the cache holds (cast to its dtype), then to the compute dtype, as a read
