@@ -13,7 +13,7 @@ kernel in the process, MLX's included): GPU busy time, kernel count, and the hos
 driver calls by name (cudaFree, which waits for the whole device, among them).
 
     python3 scripts/diag_varied_forward.py [--model qwen3_vl] [--batches 4] [--repeats 2] [--buckets N]
-        [--cupti] [--cache-limit-gb G] [--pool-keep] [--lag N] [--smoke] [--json F]
+        [--cupti] [--cache-limit-gb G] [--pool-keep] [--lag N] [--clips N] [--smoke] [--json F]
 Environment knobs are MLX's own (MLX_USE_CUDA_GRAPHS, MLX_CUDA_GRAPH_CACHE_SIZE, MLX_MAX_OPS_PER_BUFFER).
 """
 from __future__ import annotations
@@ -130,6 +130,8 @@ def main() -> None:
     ap.add_argument("--pool-keep", action="store_true",
                     help="the default memory pool keeps freed memory (release threshold: all) instead of trimming it")
     ap.add_argument("--lag", type=int, default=None, help="runner.LAYER_LAG (layers queued ahead; 0: unpaced)")
+    ap.add_argument("--clips", type=int, default=8,
+                    help="clips in the equal batch (its first step holds at most the engine's token budget)")
     a = ap.parse_args()
     import mlx.core as mx
     import numpy as np
@@ -153,7 +155,7 @@ def main() -> None:
               "buffer_cache_gb": cache_limit / 2**30, "active_gb": mx.get_active_memory() / 2**30}
     print("memory:", {k: v for k, v in memory.items() if not k.endswith("_bytes")})
     rng = np.random.default_rng(0)
-    batches = equal_and_ragged(diag, rng)
+    batches = equal_and_ragged(diag, rng, a.clips)
     knobs = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}
     report: dict = {"model": a.model, "buckets": diag.buckets, "mlx_env": knobs, "memory": memory,
                     "layer_lag": runner.LAYER_LAG}

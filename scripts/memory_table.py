@@ -23,7 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from batchjob.engine.token_budget import activation_bytes_per_token, auto_batched_tokens
+from batchjob.engine.runner import LAYER_LAG
+from batchjob.engine.token_budget import activation_bytes_per_token, auto_batched_tokens, smallest_budget
 from batchjob.engine.footprint import (Quantization, kv_bytes_per_token, kv_layout, parameter_counts, text_settings,
                                       weights_bytes)
 from batchjob.engine.published_configs import PUBLISHED_CONFIGS
@@ -50,30 +51,43 @@ def prompt_tokens(config: dict) -> int:
     return math.ceil(frames / temporal) * (per_frame // side**2) + TEXT_TOKENS
 
 
-def forward_activations(config: dict, dtype_bytes: int = 2) -> int:
-    """One forward's activations at the shipped config's token budget on a GPU (`auto`: what an 80 GB GPU gets,
-    the most the rule gives), by the engine's own per-token estimate (engine/token_budget.py)."""
-    family = "qwen3_vl" if config["model_type"].startswith("qwen3") else "qwen2_5_vl"
-    tokens = yaml.safe_load(SHIPPED[family].read_text())["model"].get("max_num_batched_tokens", "auto")
+def _per_token(config: dict, dtype_bytes: int) -> int:
+    """One forward's activation bytes per token, by the engine's own estimate (engine/token_budget.py)."""
     text = text_settings(config)
     layers, kv_heads, head_dim = kv_layout(config)
     moe = text.get("moe_intermediate_size", 0) * text.get("num_experts_per_tok", 0)
-    per_token = activation_bytes_per_token(hidden=text["hidden_size"], intermediate=max(
+    return activation_bytes_per_token(hidden=text["hidden_size"], intermediate=max(
         text.get("intermediate_size", 0), moe), num_heads=text["num_attention_heads"], num_kv_heads=kv_heads,
-        head_dim=head_dim, dtype_bytes=dtype_bytes)
-    if tokens == "auto":
-        tokens = auto_batched_tokens("cuda", memory_bytes=80 * GIB, weights_bytes=0, bytes_per_token=per_token)
-    return int(tokens) * per_token
+        head_dim=head_dim, dtype_bytes=dtype_bytes, layer_lag=LAYER_LAG)
+
+
+def _shipped_tokens(config: dict) -> int | None:
+    """The shipped config's `max_num_batched_tokens` for the model's family; None for `auto`."""
+    family = "qwen3_vl" if config["model_type"].startswith("qwen3") else "qwen2_5_vl"
+    tokens = yaml.safe_load(SHIPPED[family].read_text())["model"].get("max_num_batched_tokens", "auto")
+    return None if tokens == "auto" else int(tokens)
+
+
+def forward_activations(config: dict, budget_bytes: int, weights: int, dtype_bytes: int = 2) -> int:
+    """One forward's activations on a GPU under a budget of `budget_bytes`, at the shipped config's token budget
+    (`auto` follows the budget, as in the engine)."""
+    per_token = _per_token(config, dtype_bytes)
+    tokens = _shipped_tokens(config)
+    if tokens is None:
+        tokens = auto_batched_tokens("cuda", memory_bytes=budget_bytes, weights_bytes=weights,
+                                     bytes_per_token=per_token)
+    return tokens * per_token
 
 
 def minimum_budget_bytes(config: dict, weights: int, max_model_len: int, block_size: int = 16,
                          dtype_bytes: int = 2) -> int:
-    """The engine's start-up rule (batchjob/engine/memory_budget.py): the weights, one forward's activations and
-    the KV blocks of one `max_model_len`-token request."""
+    """The engine's start-up rule (batchjob/engine/memory_budget.py) at its least budget: the weights, one
+    forward's activations and the KV blocks of one `max_model_len`-token request."""
     layers, kv_heads, head_dim = kv_layout(config)
     per_block = kv_bytes_per_block(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                                    dtype_bytes=dtype_bytes, block_size=block_size)
-    return weights + forward_activations(config, dtype_bytes) + -(-max_model_len // block_size) * per_block
+    return smallest_budget(weights_bytes=weights, kv_request_bytes=-(-max_model_len // block_size) * per_block,
+                           bytes_per_token=_per_token(config, dtype_bytes), tokens=_shipped_tokens(config))
 
 
 @dataclass(frozen=True)

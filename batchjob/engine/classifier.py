@@ -26,13 +26,15 @@ from .cuda_fused import activate as activate_fused_kernels
 from .cuda_fused import select_fused_kernels
 from .device import EngineRuntime, dtype_name
 from .memory_budget import MemoryBudgetError, MemoryPlan, plan_memory, read_device_memory
-from .preprocess import check_frames, check_prepared, plan_video, preprocess_video
+from .preprocess import VideoPlan, check_frames, check_prepared, plan_video, preprocess_video
 from .prompt import PromptBuilder
+from . import runner
 from .runner import forward
 from .scheduler import Scheduler, Sequence
-from .token_budget import activation_bytes_per_token, auto_batched_tokens, language_model_shape
+from .token_budget import (activation_bytes_per_token, auto_batched_tokens, language_model_shape,
+                           reused_bytes_per_token)
 from .types import ClassifyRequest, ClassifyResult, EngineConfig, EngineError
-from .video_features import VideoFeatureCache, tail_first_row
+from .video_features import FeatureRows, VideoFeatureCache, tail_first_row
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +47,21 @@ def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_l
                        ) -> tuple[MemoryPlan, int]:
     """The budget for this engine from the device it runs on (read after the weights are resident), the KV
     blocks it buys (the pool holds at most KV_REQUESTS_CAP maximum-size requests), and what
-    `max_num_batched_tokens: auto` means there (token_budget.py); one forward's activations at that many
-    tokens are part of what the budget must hold."""
+    `max_num_batched_tokens: auto` means there (token_budget.py: from the device's memory, or from
+    `memory_budget_gb` where that is set lower); one forward's activations at that many tokens are part of what
+    the budget must hold."""
     lm = checkpoint.model.language_model
     kv_shape = checkpoint.family.kv_shape(lm)   # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
     dtype_bytes = mx.zeros((), dtype=checkpoint.dtype).itemsize
     if device_memory is None:
         mx.clear_cache()   # buffers freed while loading are still counted as used by the driver
         device_memory = read_device_memory(checkpoint.device)
-    per_token = activation_bytes_per_token(**language_model_shape(lm, kv_shape), dtype_bytes=dtype_bytes)
-    auto_tokens = auto_batched_tokens(checkpoint.device, memory_bytes=device_memory.capacity_bytes,
+    shape = language_model_shape(lm, kv_shape)
+    per_token = activation_bytes_per_token(**shape, dtype_bytes=dtype_bytes, layer_lag=runner.LAYER_LAG)
+    memory = device_memory.capacity_bytes
+    if config.memory_budget_gb is not None:   # a budget set below the device sizes the forwards too
+        memory = min(memory, int(config.memory_budget_gb * 2**30))
+    auto_tokens = auto_batched_tokens(checkpoint.device, memory_bytes=memory,
                                       weights_bytes=checkpoint.weights_bytes, bytes_per_token=per_token,
                                       block_size=config.block_size)
     tokens = auto_tokens if config.max_num_batched_tokens == "auto" else int(config.max_num_batched_tokens)
@@ -66,7 +73,8 @@ def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_l
                            weights_bytes=checkpoint.weights_bytes, activation=tokens * per_token,
                            kv_block_bytes=per_block, block_size=config.block_size,
                            blocks_per_request=-(-config.max_model_len // config.block_size),
-                           max_blocks=-(-cap_tokens // config.block_size), host_reserved=config.host_reserved_bytes)
+                           max_blocks=-(-cap_tokens // config.block_size), host_reserved=config.host_reserved_bytes,
+                           reused=tokens * reused_bytes_per_token(**shape, dtype_bytes=dtype_bytes))
     except MemoryBudgetError as exc:
         raise EngineError(str(exc)) from exc
     return plan, auto_tokens
@@ -153,14 +161,21 @@ class Classifier:
         return cls(load_checkpoint(model, config, clock), config, clock)
 
     # --- request preparation ---------------------------------------------------------------------------
-    def _prepare(self, index: int, request: ClassifyRequest, call_id: int) -> Sequence:
-        clip, vision = request.clip, self.checkpoint.vision
+    def _clip_plan(self, clip) -> VideoPlan:
+        """The clip's grid and video token count; ValueError (a per-request error) for input the engine cannot use."""
         if clip.inputs is not None:
-            check_prepared(clip.inputs, vision)
-            plan = clip.inputs
-        else:
-            check_frames(clip.frames)
-            plan = plan_video(clip.frames.shape, clip.metadata, vision)
+            check_prepared(clip.inputs, self.checkpoint.vision)
+            return clip.inputs
+        check_frames(clip.frames)
+        return plan_video(clip.frames.shape, clip.metadata, self.checkpoint.vision)
+
+    def _media_key(self, index: int, request: ClassifyRequest, call_id: int) -> str:
+        """Whose features and prefix blocks a request shares: its clip's, or (sharing off) its own."""
+        media_id = request.clip.media_id
+        return media_id if self.config.enable_prefix_sharing else f"{media_id}#{call_id}:{index}"
+
+    def _prepare(self, index: int, request: ClassifyRequest, call_id: int) -> Sequence:
+        plan = self._clip_plan(request.clip)
         prompt = self.checkpoint.family.video_prompt(self.prompts, request.question, request.options, plan)
         ids = prompt.token_ids
         if len(ids) > self.config.max_model_len:
@@ -169,8 +184,7 @@ class Classifier:
                 f"{self.config.max_model_len}; use fewer frames or a lower max_pixels, or raise max_model_len")
         share = self.config.enable_prefix_sharing
         return Sequence(
-            index=index, seq_id=f"{call_id}:{index}",
-            media_key=request.clip.media_id if share else f"{request.clip.media_id}#{call_id}:{index}",
+            index=index, seq_id=f"{call_id}:{index}", media_key=self._media_key(index, request, call_id),
             token_ids=ids, positions=prompt.positions, video_span=prompt.video_span,
             option_token_ids=self.prompts.option_token_ids(len(request.options)), share_prefix=share,
             grid_thw=plan.grid_thw, video_rows=prompt.video_rows)
@@ -183,20 +197,53 @@ class Classifier:
             lo, hi = seq.rows_between(seq.num_computed, seq.num_computed + item.num_new)
             if lo >= hi:
                 continue
-            found = self._features.get(seq.media_key, lo, hi)   # a clip encoded earlier in this step is there too
+            found = self._features.get(seq.media_key, lo, hi)   # a clip encoded earlier in this call is there too
             if found is None:
-                clip = requests[seq.index].clip
-                inputs = clip.inputs or preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision)
-                if inputs.grid_thw != seq.grid_thw:
-                    raise RuntimeError(f"processor grid {inputs.grid_thw} != planned {seq.grid_thw} for {clip.media_id}")
-                features = self.checkpoint.encode_clip(inputs)
-                # Started now, the tower runs on the device while Python builds the next clip's graph and the LM's
-                # (evaluated with the forward instead, the device would wait for all of that host work first).
-                mx.async_eval(features)
-                found = self._features.put_clip(seq.media_key, features)
-                self.vision_calls += 1
+                found = self._encode(seq.media_key, requests[seq.index].clip, seq.grid_thw)
             rows[seq.media_key] = found
         return rows
+
+    def _encode(self, key: str, clip, grid_thw: tuple[int, int, int]) -> FeatureRows:
+        """Run the vision tower over `clip` and keep its features under `key`; started at once (`mx.async_eval`),
+        so the device runs the tower while Python goes on building graphs or preparing prompts (evaluated with
+        the forward instead, the device would wait for all of that host work first)."""
+        inputs = clip.inputs or preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision)
+        if inputs.grid_thw != grid_thw:
+            raise RuntimeError(f"processor grid {inputs.grid_thw} != planned {grid_thw} for {clip.media_id}")
+        features = self.checkpoint.encode_clip(inputs)
+        mx.async_eval(features)
+        self.vision_calls += 1
+        return self._features.put_clip(key, features)
+
+    def _start_towers(self, requests: Seq[ClassifyRequest], order: list[int], call_id: int) -> list[str]:
+        """Start the vision towers of the clips the first step will encode, before any prompt is built or scheduled.
+
+        Why: every call begins with host work (tokenizing prompts, hashing and allocating blocks) during which
+        the device would otherwise sit idle; the towers are device work that needs none of it. Clips are taken in
+        the order the scheduler admits them, within one step's token budget (what the first step can use, so the
+        features kept meanwhile stay bounded). A clip with features or a tail already kept, or whose input fails
+        its check (or whose video alone fills `max_model_len`), is left to the step that needs it. Returns the keys
+        started."""
+        budget, started, seen = self.max_num_batched_tokens, [], set()
+        for i in order:
+            key = self._media_key(i, requests[i], call_id)
+            if key in seen or self._features.holds(key):
+                continue
+            seen.add(key)
+            try:
+                plan = self._clip_plan(requests[i].clip)
+            except ValueError:
+                continue   # reported by _prepare as this request's error
+            if plan.num_tokens >= self.config.max_model_len:
+                continue   # its prompt cannot fit: _prepare reports it
+            if started and plan.num_tokens > budget:
+                break
+            self._encode(key, requests[i].clip, plan.grid_thw)
+            started.append(key)
+            budget -= plan.num_tokens
+            if budget <= 0:
+                break
+        return started
 
     # --- the loop ------------------------------------------------------------------------------------------
     def classify(self, requests: Seq[ClassifyRequest]) -> list[ClassifyResult]:
@@ -209,11 +256,8 @@ class Classifier:
         results: list[ClassifyResult | None] = [None] * len(requests)
         scheduler = Scheduler(self.pool, self.max_num_batched_tokens)
         pending: dict[str, int] = {}
-        # Requests of one clip go together: stable grouping by media id in first-appearance order.
-        first_seen: dict[str, int] = {}
-        for i, r in enumerate(requests):
-            first_seen.setdefault(r.clip.media_id, i)
-        order = sorted(range(len(requests)), key=lambda i: first_seen[requests[i].clip.media_id])
+        order = admission_order(requests)
+        started = self._start_towers(requests, order, call_id)
         for i in order:
             try:
                 seq = self._prepare(i, requests[i], call_id)
@@ -222,6 +266,9 @@ class Classifier:
                 continue
             scheduler.add(seq)
             pending[seq.media_key] = pending.get(seq.media_key, 0) + 1
+        for key in started:
+            if key not in pending:   # every request of the clip failed its preparation: nothing will read it
+                self._features.release_clip(key, 0, keep_tail=False)
         try:
             while scheduler.has_work():
                 batch = scheduler.schedule()
@@ -240,6 +287,14 @@ class Classifier:
             for key in pending:
                 self._features.release_clip(key, 0, keep_tail=False)  # after an exception: drop leftovers
         return results  # type: ignore[return-value]
+
+
+def admission_order(requests: Seq[ClassifyRequest]) -> list[int]:
+    """Request indices with the requests of one clip together, clips in first-appearance order (stable)."""
+    first_seen: dict[str, int] = {}
+    for i, r in enumerate(requests):
+        first_seen.setdefault(r.clip.media_id, i)
+    return sorted(range(len(requests)), key=lambda i: first_seen[requests[i].clip.media_id])
 
 
 def _result(request_id: str, seq: Sequence, option_row: np.ndarray) -> ClassifyResult:

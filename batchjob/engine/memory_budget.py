@@ -124,6 +124,8 @@ class MemoryPlan:
     kv_block_bytes: int
     kv_blocks: int
     block_size: int
+    reused_bytes: int = 0      # one layer's buffers at the token budget (token_budget.reused_bytes_per_token); 0:
+    # the whole forward's activations
 
     @property
     def kv_bytes(self) -> int:
@@ -131,12 +133,15 @@ class MemoryPlan:
 
     @property
     def buffer_cache_bytes(self) -> int:
-        """How many freed device buffers MLX may keep for reuse: one forward's activations. The runner keeps only a
-        few layers in flight (`runner.LAYER_LAG`), so a layer's buffers come back out of this cache for the layers
-        after it. MLX's own default is its whole memory limit; with the weights and the KV pool resident, a cache
-        that large fills the device, and then every allocation the cache cannot serve first frees cached
-        buffers, which slowed a Qwen3-VL-8B engine on an H100 more and more over a job."""
-        return max(self.activation_bytes, MIN_BUFFER_CACHE)
+        """How many freed device buffers MLX may keep for reuse: one layer's buffers (`reused_bytes`), never more
+        than the forward's activations. The runner keeps only a few layers in flight (`runner.LAYER_LAG`) and
+        every layer of a pass allocates the same sizes, so a layer's buffers come back out of this cache for the
+        layers after it; a larger cache only keeps memory idle. MLX's own default is its whole memory limit;
+        with the weights and the KV pool resident, a cache that large fills the device, and then every
+        allocation the cache cannot serve first frees cached buffers, which slowed a Qwen3-VL-8B engine on an
+        H100 more and more over a job."""
+        reused = self.reused_bytes or self.activation_bytes
+        return max(min(reused, self.activation_bytes), MIN_BUFFER_CACHE)
 
     def as_dict(self) -> dict[str, Any]:
         return {"budget_gb": round(self.budget_bytes / GIB, 2), "budget_source": self.source,
@@ -183,9 +188,10 @@ def choose_budget(device: DeviceMemory, requested_gb: float | None, weights_byte
 
 def plan_memory(*, device: DeviceMemory, requested_gb: float | None, weights_bytes: int, activation: int,
                 kv_block_bytes: int, block_size: int, blocks_per_request: int, max_blocks: int,
-                host_reserved: int = 0) -> MemoryPlan:
+                host_reserved: int = 0, reused: int = 0) -> MemoryPlan:
     """The budget and the KV blocks it holds (at most `max_blocks`); MemoryBudgetError when it cannot hold the
-    weights, one forward's activations and one maximum-length request."""
+    weights, one forward's activations and one maximum-length request. `reused`: one layer's buffers
+    (`MemoryPlan.reused_bytes`)."""
     budget, source = choose_budget(device, requested_gb, weights_bytes, host_reserved)
     need = weights_bytes + activation + blocks_per_request * kv_block_bytes
     if budget < need:
@@ -199,4 +205,5 @@ def plan_memory(*, device: DeviceMemory, requested_gb: float | None, weights_byt
             f"({blocks_per_request} blocks, {_gib(blocks_per_request * kv_block_bytes)}); need {_gib(need)}. "
             f"{fix[0].upper() + fix[1:]}, or lower model.max_model_len / model.max_num_batched_tokens")
     blocks = min((budget - weights_bytes - activation) // kv_block_bytes, max_blocks)
-    return MemoryPlan(device, budget, source, weights_bytes, activation, kv_block_bytes, int(blocks), block_size)
+    return MemoryPlan(device, budget, source, weights_bytes, activation, kv_block_bytes, int(blocks), block_size,
+                      reused)

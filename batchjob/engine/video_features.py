@@ -53,6 +53,10 @@ class VideoFeatureCache:
                 return found
         return None
 
+    def holds(self, key: str) -> bool:
+        """Whether anything of clip `key` is kept (its features while in flight, or its tail)."""
+        return key in self._clips or key in self._tails
+
     def put_clip(self, key: str, features: mx.array) -> FeatureRows:
         self._clips[key] = FeatureRows(0, features)
         return self._clips[key]

@@ -177,10 +177,10 @@ def diag_engine(model_type: str, *, smoke: bool, layers: int | None, buckets: in
     return DiagEngine(bench, frames, size, settings.get("shape_buckets", 0))
 
 
-def equal_and_ragged(diag: DiagEngine, rng) -> dict[str, list]:
-    """The diagnostics' two batches: eight clips of `frames` frames (one question each), and eight of 2 to
+def equal_and_ragged(diag: DiagEngine, rng, equal_clips: int = 8) -> dict[str, list]:
+    """The diagnostics' two batches: `equal_clips` clips of `frames` frames (one question each), and eight of 2 to
     `frames` frames (a ragged batch: prompts of different lengths)."""
-    batches = {"equal": make_workload(diag.bench, rng, 8, 1, diag.frames, diag.size, "eq"), "ragged": []}
+    batches = {"equal": make_workload(diag.bench, rng, equal_clips, 1, diag.frames, diag.size, "eq"), "ragged": []}
     for i in range(8):
         batches["ragged"] += make_workload(diag.bench, rng, 1, 1, max(2, diag.frames - 2 * (i % 6)), diag.size,
                                            f"rg{i}")

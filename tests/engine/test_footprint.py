@@ -21,6 +21,7 @@ from batchjob.engine.footprint import (Quantization, checkpoint_tensors, kv_byte
                                        parameter_counts, stored_tensors, weights_bytes)
 from batchjob.engine.published_configs import PUBLISHED_CONFIGS
 from batchjob.engine import memory_budget as mb
+from batchjob.engine import token_budget
 from batchjob.metal_backend.memory import kv_bytes_per_block
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,6 +110,8 @@ def test_kv_per_token_and_weights_are_the_engines(name, tiny_classifier):
 
 
 def test_minimum_budget_is_the_engines_start_rule(rng):
+    """The table's minimum passes the engine's start-up check, so does every larger budget, and a budget a little
+    smaller (more than one 16-token step of `auto`'s activations) is refused."""
     table = _memory_table()
     for name, config in PUBLISHED_CONFIGS.items():
         weights = weights_bytes(config, Quantization(int(rng.choice([4, 8]))), engine=True)
@@ -122,11 +125,13 @@ def test_minimum_budget_is_the_engines_start_rule(rng):
 
         def plan(budget_bytes: int):
             return mb.plan_memory(device=device, requested_gb=budget_bytes / 2**30, weights_bytes=weights,
-                                  activation=table.forward_activations(config), kv_block_bytes=per_block,
-                                  block_size=16, blocks_per_request=blocks, max_blocks=10**9)
-        assert plan(need).kv_blocks == blocks, name
+                                  activation=table.forward_activations(config, budget_bytes, weights),
+                                  kv_block_bytes=per_block, block_size=16, blocks_per_request=blocks, max_blocks=10**9)
+        for budget in [need, *(need + rng.integers(1, 64 * 2**30, 8))]:
+            assert plan(int(budget)).kv_blocks >= blocks, name
+        step = 16 * table._per_token(config, 2)   # auto's tokens come in multiples of 16
         with pytest.raises(mb.MemoryBudgetError):
-            plan(need - 1)
+            plan(need - int(step / (1 - token_budget.ACTIVATION_SHARE)) - 2)
         assert table.prompt_tokens(config) <= table.SHORT_CONTEXT
 
 

@@ -205,13 +205,17 @@ def test_other_processes_come_off_the_budget_only_where_they_share_the_memory():
                        max_blocks=8192, host_reserved=6 * GIB)
 
 
-def test_the_buffer_cache_is_one_forwards_activations(rng):
-    """MLX may keep freed buffers up to one forward's activations (at least MIN_BUFFER_CACHE), not its whole
-    memory limit; the figure is in the plan's record."""
+def test_the_buffer_cache_is_one_layers_buffers(rng):
+    """MLX may keep freed buffers up to one layer's (`reused`), never more than one forward's activations and at
+    least MIN_BUFFER_CACHE, not its whole memory limit; the figure is in the plan's record."""
     for _ in range(20):
         activation = int(rng.integers(1, 40 * GIB))
-        plan = _plan(mb.device_memory("cuda", H100, 512 * GIB), activation=activation)
-        assert plan.buffer_cache_bytes == max(activation, mb.MIN_BUFFER_CACHE)
+        reused = int(rng.integers(0, 2 * activation))   # 0: not given, the whole forward's activations
+        device = mb.device_memory("cuda", H100, 512 * GIB)
+        plan = mb.plan_memory(device=device, requested_gb=None, weights_bytes=14 * GIB, activation=activation,
+                              kv_block_bytes=917_504, block_size=16, blocks_per_request=256, max_blocks=8192,
+                              reused=reused)
+        assert plan.buffer_cache_bytes == max(min(reused or activation, activation), mb.MIN_BUFFER_CACHE)
         assert plan.as_dict()["buffer_cache_gb"] == round(plan.buffer_cache_bytes / GIB, 2)
         assert plan.buffer_cache_bytes < plan.budget_bytes - plan.weights_bytes - plan.kv_bytes + mb.MIN_BUFFER_CACHE
 
@@ -223,7 +227,8 @@ def test_the_engine_caps_mlxs_buffer_cache_and_keeps_a_lower_limit(checkpoint_di
         clf = Classifier.from_pretrained(checkpoint_dir("qwen2_5_vl-gqa"), config)
         in_force = mx.set_cache_limit(1 << 50)
         assert in_force == clf.buffer_cache_bytes == clf.memory.buffer_cache_bytes
-        assert in_force == max(clf.memory.activation_bytes, mb.MIN_BUFFER_CACHE)
+        assert in_force == max(min(clf.memory.reused_bytes, clf.memory.activation_bytes), mb.MIN_BUFFER_CACHE)
+        assert 0 < clf.memory.reused_bytes < clf.memory.activation_bytes   # one layer's buffers, not the forward's
         mx.set_cache_limit(12345 * 4096)   # the process asked for less: the engine keeps it
         clf = Classifier.from_pretrained(checkpoint_dir("qwen2_5_vl-gqa"), config)
         assert mx.set_cache_limit(1 << 50) == clf.buffer_cache_bytes == 12345 * 4096

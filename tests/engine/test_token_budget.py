@@ -15,30 +15,52 @@ GiB = 2**30
 QWEN25_7B = dict(hidden=3584, intermediate=18944, num_heads=28, num_kv_heads=4, head_dim=128)
 
 
-def test_activation_bytes_follow_the_widest_layer():
-    per_token = activation_bytes_per_token(**QWEN25_7B, dtype_bytes=2)
+LAG = 2   # runner.LAYER_LAG as shipped
+
+
+def test_activation_bytes_follow_the_widest_layer_and_the_layers_in_flight():
     widths = 4 * 3584 + 36 * 128 + 3 * 18944
-    assert per_token == 2 * widths * 2
-    assert activation_bytes_per_token(**QWEN25_7B, dtype_bytes=4) == 2 * per_token
+    for lag in range(5):
+        per_token = activation_bytes_per_token(**QWEN25_7B, dtype_bytes=2, layer_lag=lag)
+        live = token_budget.LIVE_BASE + token_budget.LIVE_PER_QUEUED_LAYER * lag
+        assert per_token == int(live * widths * 2)
+        assert abs(activation_bytes_per_token(**QWEN25_7B, dtype_bytes=4, layer_lag=lag) - 2 * per_token) <= 1
+        more = activation_bytes_per_token(**QWEN25_7B, dtype_bytes=2, layer_lag=lag + 1)
+        assert more > per_token   # every layer queued ahead keeps its activations alive
+    assert token_budget.reused_bytes_per_token(**QWEN25_7B, dtype_bytes=2) == int(token_budget.LAYER_REUSE * widths * 2)
+
+
+# Peak activation bytes per token of a paced forward measured on an H100 (Qwen3-VL-8B's decoder in bf16, equal and
+# ragged batches; `scripts/diag_varied_forward.py --lag N`, benchmarks/results/README.md, twelfth session): the
+# estimate must cover each of them, or the budget hands the KV pool memory a forward then needs.
+QWEN3_8B = dict(hidden=4096, intermediate=12288, num_heads=32, num_kv_heads=8, head_dim=128)
+MEASURED_PEAK_PER_TOKEN = {1: (417_500, 443_100), 2: (591_900, 626_000), 3: (767_300, 815_000)}
+
+
+@pytest.mark.parametrize("lag", sorted(MEASURED_PEAK_PER_TOKEN))
+def test_the_estimate_covers_the_measured_peaks(lag):
+    estimate = activation_bytes_per_token(**QWEN3_8B, dtype_bytes=2, layer_lag=lag)
+    for measured in MEASURED_PEAK_PER_TOKEN[lag]:
+        assert measured <= estimate <= 1.25 * measured
 
 
 @pytest.mark.parametrize("device", ["cpu"])
 def test_cpu_and_unknown_memory_keep_8192(device):
-    per_token = activation_bytes_per_token(**QWEN25_7B, dtype_bytes=4)
+    per_token = activation_bytes_per_token(**QWEN25_7B, dtype_bytes=4, layer_lag=LAG)
     assert auto_batched_tokens("cpu", memory_bytes=512 * GiB, weights_bytes=GiB, bytes_per_token=per_token) == 8192
     assert auto_batched_tokens("cuda", memory_bytes=None, weights_bytes=GiB, bytes_per_token=per_token) == CPU_TOKENS
 
 
 def test_a_big_gpu_holds_a_batch_of_clips_in_one_forward():
     """H100 80 GB, 7B bf16 (15 GB of weights): 8 prompts of 2,135 tokens (17,080) are one forward."""
-    per_token = activation_bytes_per_token(**QWEN25_7B, dtype_bytes=2)
+    per_token = activation_bytes_per_token(**QWEN25_7B, dtype_bytes=2, layer_lag=LAG)
     tokens = auto_batched_tokens("cuda", memory_bytes=80 * GiB, weights_bytes=15 * GiB, bytes_per_token=per_token)
     assert tokens == GPU_MAX_TOKENS >= 8 * 2135
 
 
 @pytest.mark.parametrize("memory_gb,weights_gb", [(16, 15), (24, 15), (32, 15), (48, 15), (80, 70), (192, 140)])
 def test_the_budget_is_bounded_by_activation_memory_and_aligned(memory_gb, weights_gb):
-    per_token = activation_bytes_per_token(**QWEN25_7B, dtype_bytes=2)
+    per_token = activation_bytes_per_token(**QWEN25_7B, dtype_bytes=2, layer_lag=LAG)
     for block in (16, 32):
         tokens = auto_batched_tokens("metal", memory_bytes=memory_gb * GiB, weights_bytes=weights_gb * GiB,
                                      bytes_per_token=per_token, block_size=block)
@@ -57,7 +79,7 @@ def test_the_decoders_own_widths_drive_the_rule():
     lm = types.SimpleNamespace(args=args)
 
     def tokens(memory_gb):
-        per_token = activation_bytes_per_token(**language_model_shape(lm, (4, 128)), dtype_bytes=2)
+        per_token = activation_bytes_per_token(**language_model_shape(lm, (4, 128)), dtype_bytes=2, layer_lag=LAG)
         return auto_batched_tokens("cuda", memory_bytes=memory_gb * GiB, weights_bytes=15 * GiB,
                                    bytes_per_token=per_token)
     assert tokens(80) == GPU_MAX_TOKENS
@@ -85,6 +107,31 @@ def test_the_engine_reads_the_device_through_mlx_for_auto(tiny_classifier, monke
     assert plan.activation_bytes > 0 and plan.device.name == "Fake GPU"
     fixed, _ = plan_engine_memory(ckpt, EngineConfig(max_num_batched_tokens=512), num_layers=2)
     assert fixed.activation_bytes * GPU_MAX_TOKENS == plan.activation_bytes * 512
+
+
+def test_a_budget_set_below_the_device_sizes_the_forwards(tiny_classifier, monkeypatch, rng):
+    """`memory_budget_gb` lower than the GPU: `auto`'s tokens follow the budget, so the forward's activations fit
+    in it beside the weights and the KV cache (sized from the whole device they would be refused)."""
+    import mlx.core as mx
+
+    from batchjob.engine import EngineConfig
+    from batchjob.engine import classifier as classifier_module
+
+    monkeypatch.setattr(mx, "device_info", lambda d=None: {
+        "device_name": "Fake GPU", "total_memory": 80 * GiB, "free_memory": 78 * GiB})
+    per_token = int(rng.integers(400_000, 900_000))   # a 7-8B decoder's paced forward, per token
+    monkeypatch.setattr(classifier_module, "activation_bytes_per_token", lambda **_: per_token)
+    ckpt = tiny_classifier().checkpoint
+    monkeypatch.setattr(ckpt, "device", "cuda")
+    whole, tokens = classifier_module.plan_engine_memory(ckpt, EngineConfig(max_model_len=4096), num_layers=2)
+    assert tokens == GPU_MAX_TOKENS and whole.activation_bytes == tokens * per_token
+    budget_gb = float(rng.uniform(4, 20))
+    plan, budget_tokens = classifier_module.plan_engine_memory(
+        ckpt, EngineConfig(max_model_len=4096, memory_budget_gb=budget_gb), num_layers=2)
+    assert budget_tokens == auto_batched_tokens("cuda", memory_bytes=int(budget_gb * GiB),
+                                                weights_bytes=ckpt.weights_bytes, bytes_per_token=per_token)
+    assert budget_tokens < tokens and plan.activation_bytes == budget_tokens * per_token
+    assert plan.weights_bytes + plan.activation_bytes + plan.kv_bytes <= plan.budget_bytes == int(budget_gb * GiB)
 
 
 def test_engine_resolves_auto_and_honours_numbers(tiny_classifier, checkpoint_dir):
