@@ -4,13 +4,16 @@ Decodes clips with the shipped config's loader and prepares them as the decoders
 answers them in batches of `runtime.clips_per_batch` through `MlxEngine` (what the driver's engine thread
 calls). Prints ms per clip per batch with MLX's memory after each (in use, cached, never-used KV blocks), then
 the host profile's top functions. `--contend N` keeps N processes decoding beside the engine, as a job's
-decoders do; `--cache-limit-gb` / `--clear-each-batch` try other settings of MLX's buffer cache.
+decoders do; `--cache-limit-gb` / `--clear-each-batch` try other settings of MLX's buffer cache. `--cupti N`
+answers N more batches under torch.profiler and charges the GPU's idle time in each to the engine's host phase
+running then (preparing, scheduling, the vision rows, the forward, results), `--json` keeps that summary.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import io
+import json
 import multiprocessing as mp
 import os
 import pstats
@@ -101,6 +104,52 @@ def job_inputs(a):
     return cfg, paths, decoder_args, list(zip(jobs, decoded))
 
 
+def gpu_idle(engine, batches: list) -> list[dict]:
+    """Each batch answered under torch.profiler (CUPTI), the engine's host phases marked: per call its wall, the
+    GPU's busy time and its idle time by phase (`benchlib.cupti.idle_by_phase`). Prints a line per call and the
+    medians."""
+    import statistics
+    import tempfile
+
+    import mlx.core as mx
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from batchjob.engine import classifier as classifier_module
+    from batchjob.engine import runner
+    from batchjob.engine.scheduler import Scheduler
+    from benchlib.cupti import idle_by_phase, marked
+
+    clf = engine._clf
+    phases = [(engine, "answer", "call"), (clf, "_start_towers", "towers first"), (clf, "_prepare", "prepare"),
+              (Scheduler, "schedule", "schedule"), (Scheduler, "finish_step", "finish step"),
+              (clf, "_video_rows", "video rows"), (classifier_module, "_result", "results"),
+              (runner, "build_attention_metadata", "forward: metadata"), (runner, "_embed", "forward: embed"),
+              (runner, "_video_injection", "forward: video rows"), (mx, "eval", "waits (mx.eval)")]
+    real_forward = classifier_module.forward
+
+    def forward(model, batch, *a, **k):   # the pass of a call's new prompts, or of followers over their prefixes
+        followers = all(s.seq.num_computed > s.seq.video_span[0] for s in batch)   # each over a cached video
+        label = "forward: followers" if followers else "forward: prompts"
+        with record_function(label):
+            return real_forward(model, batch, *a, **k)
+
+    trace = Path(tempfile.mkdtemp(prefix="bj-job-cupti-")) / "trace.json"
+    with marked(phases + [(classifier_module, "forward", None)], wrap={"forward": forward}), \
+            profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for b in batches:
+            engine.answer(b)
+    prof.export_chrome_trace(str(trace))
+    rows = idle_by_phase(trace)
+    for i, r in enumerate(rows):
+        print(f"call {i}: wall {r['wall_ms']:.1f} ms, GPU busy {r['gpu_busy_ms']:.1f}, idle by phase {r['idle_ms']}",
+              flush=True)
+    names = sorted({k for r in rows for k in r["idle_ms"]})
+    print("medians: wall {:.1f} ms, busy {:.1f}, idle {}".format(
+        statistics.median(r["wall_ms"] for r in rows), statistics.median(r["gpu_busy_ms"] for r in rows),
+        {k: round(statistics.median(r["idle_ms"].get(k, 0.0) for r in rows), 2) for k in names}), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3_vl", choices=("qwen2_5_vl", "qwen3_vl"))
@@ -112,6 +161,9 @@ def main() -> None:
     ap.add_argument("--cache-limit-gb", type=float, default=None, help="mx.set_cache_limit after the load")
     ap.add_argument("--clear-each-batch", action="store_true", help="mx.clear_cache() after every batch")
     ap.add_argument("--smoke", action="store_true", help="tiny clips and model: checks the script on a CPU")
+    ap.add_argument("--cupti", type=int, default=0, help="batches to run under torch.profiler: the GPU's idle time "
+                    "in each, charged to the engine's host phase running then")
+    ap.add_argument("--json", type=Path, default=None, help="where the --cupti summary goes")
     a = ap.parse_args()
     cfg, paths, decoder_args, decoded = job_inputs(a)
     import mlx.core as mx
@@ -146,6 +198,10 @@ def main() -> None:
     print(f"{a.model} (contend {a.contend}, nice {a.contend_nice}, cache limit {a.cache_limit_gb} GiB, clear each "
           f"batch {a.clear_each_batch}): ms per clip per batch: {[round(x) for x in ms]}; median "
           f"{sorted(ms)[len(ms) // 2]:.0f}", flush=True)
+    if a.cupti:
+        report = gpu_idle(engine, batches("cupti")[:a.cupti])
+        if a.json:
+            a.json.write_text(json.dumps({"model": a.model, "clips_per_batch": cpb, "calls": report}, indent=1))
     prof = cProfile.Profile()
     prof.enable()
     for b in batches("profiled")[:8]:

@@ -76,34 +76,6 @@ def pool_attribute(attr: int, value: int | None = None) -> int:
     return v.value
 
 
-def cupti_summary(trace: Path) -> dict:
-    """GPU busy ms (union of kernel and copy intervals), kernel count, and host ms of runtime/driver calls by
-    name, from a chrome trace written by torch.profiler."""
-    events = json.loads(trace.read_text()).get("traceEvents", [])
-    spans, calls, kernels, free_by_thread = [], {}, 0, {}
-    for e in events:
-        cat, dur = e.get("cat", ""), float(e.get("dur", 0) or 0)
-        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
-            spans.append((float(e["ts"]), float(e["ts"]) + dur))
-            kernels += cat == "kernel"
-        elif cat in ("cuda_runtime", "cuda_driver"):
-            c = calls.setdefault(e.get("name", "?"), [0, 0.0])
-            c[0] += 1
-            c[1] += dur / 1e3
-            if e.get("name") == "cudaFree":
-                tid = str(e.get("tid"))
-                free_by_thread[tid] = round(free_by_thread.get(tid, 0.0) + dur / 1e3, 3)
-    busy, end = 0.0, float("-inf")
-    for lo, hi in sorted(spans):
-        busy += max(0.0, hi - max(lo, end))
-        end = max(end, hi)
-    top = sorted(calls.items(), key=lambda kv: -kv[1][1])[:12]
-    return {"gpu_busy_ms": busy / 1e3, "kernels": kernels,
-            "gpu_span_ms": (max(h for _, h in spans) - min(lo for lo, _ in spans)) / 1e3 if spans else 0.0,
-            "cuda_free_ms_by_thread": free_by_thread,
-            "host_calls": {name: {"count": n, "ms": round(ms, 3)} for name, (n, ms) in top}}
-
-
 def profiled(mx, run, tmp: Path, tag: str) -> dict:
     """`timed_forward` under torch.profiler's CUDA activity; the plain timing, with the reason, where torch or its
     profiler cannot run here."""
@@ -114,6 +86,8 @@ def profiled(mx, run, tmp: Path, tag: str) -> dict:
             times = timed_forward(mx, run)
         trace = tmp / f"{tag}.json"
         prof.export_chrome_trace(str(trace))
+        from benchlib.cupti import cupti_summary
+
         return {**times, **cupti_summary(trace)}
     except Exception as e:  # a diagnostic: say why and go on with what can be timed
         print(f"--cupti: {type(e).__name__}: {e}")

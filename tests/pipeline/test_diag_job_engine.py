@@ -1,8 +1,10 @@
 """scripts/diag_job_engine.py on tiny clips and a tiny Qwen3-VL: the job's engine path alone answers every batch
-of the shipped config's size, with and without decoders running beside it, and prints its profile."""
+of the shipped config's size, with and without decoders running beside it, and prints its profile; `--cupti`
+charges each profiled call's wall time to the engine's phases (no GPU here: the whole call is the GPU's idle time)."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -13,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_diag_job_engine_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "diag_job_engine.py"), "--smoke", "--model", "qwen3_vl",
-           "--clips", "12", "--contend", "1", "--cache", str(tmp_path), "--cache-limit-gb", "1"]
+           "--clips", "12", "--contend", "1", "--cache", str(tmp_path), "--cache-limit-gb", "1", "--cupti", "2",
+           "--json", str(tmp_path / "idle.json")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     line = re.search(r"qwen3_vl \(contend 1, nice 0, cache limit 1.0 GiB, clear each batch False\): "
@@ -25,3 +28,10 @@ def test_diag_job_engine_smoke(tmp_path):
                        done.stdout)
     assert memory and len(ast.literal_eval(memory.group(1))) == 3
     assert "Ordered by: cumulative time" in done.stdout and "classifier.py" in done.stdout
+    calls = json.loads((tmp_path / "idle.json").read_text())["calls"]
+    assert len(calls) == 2
+    for call in calls:
+        idle = sum(call["idle_ms"].values())
+        assert call["gpu_busy_ms"] == 0 and abs(idle - call["wall_ms"]) < 0.01 * call["wall_ms"]
+        assert {"towers first", "prepare", "schedule", "forward: prompts", "forward: followers", "results",
+                "waits (mx.eval)"} <= set(call["idle_ms"])

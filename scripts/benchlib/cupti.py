@@ -1,0 +1,117 @@
+"""What the GPU did while a block of code ran, from torch.profiler's CUPTI trace: CUPTI sees every kernel in the
+process, MLX's included, so a trace of MLX work needs no torch ops. Host phases are marked with
+`torch.profiler.record_function` (`marked`) and land on the trace's timeline beside the kernels, so the GPU's idle
+gaps can be charged to the phase the host was in (`idle_by_phase`)."""
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Iterator
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _events(trace: Path) -> list[dict]:
+    return json.loads(Path(trace).read_text()).get("traceEvents", [])
+
+
+def gpu_spans(events: list[dict]) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every kernel, copy and memset, sorted."""
+    return sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0) or 0)) for e in events
+                  if e.get("cat", "") in GPU_CATEGORIES)
+
+
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted spans with overlaps joined: the intervals the GPU was busy."""
+    out: list[list[float]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def cupti_summary(trace: Path) -> dict:
+    """GPU busy ms (union of kernel and copy intervals), kernel count, and host ms of runtime/driver calls by
+    name, from a chrome trace written by torch.profiler."""
+    events = _events(trace)
+    calls, free_by_thread = {}, {}
+    for e in events:
+        if e.get("cat", "") in ("cuda_runtime", "cuda_driver"):
+            dur = float(e.get("dur", 0) or 0)
+            c = calls.setdefault(e.get("name", "?"), [0, 0.0])
+            c[0] += 1
+            c[1] += dur / 1e3
+            if e.get("name") == "cudaFree":
+                tid = str(e.get("tid"))
+                free_by_thread[tid] = round(free_by_thread.get(tid, 0.0) + dur / 1e3, 3)
+    spans = gpu_spans(events)
+    busy = sum(hi - lo for lo, hi in merged(spans))
+    top = sorted(calls.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"gpu_busy_ms": busy / 1e3, "kernels": sum(e.get("cat") == "kernel" for e in events),
+            "gpu_span_ms": (max(h for _, h in spans) - min(lo for lo, _ in spans)) / 1e3 if spans else 0.0,
+            "cuda_free_ms_by_thread": free_by_thread,
+            "host_calls": {name: {"count": n, "ms": round(ms, 3)} for name, (n, ms) in top}}
+
+
+def charge(gap: tuple[float, float], phases: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Microseconds of `gap` by the innermost host phase running then (of those that cover a moment, the latest
+    started, then the first to end: a nested range starts no earlier and ends no later; equal ranges by name),
+    "outside phases" where none does."""
+    lo, hi = gap
+    cuts = sorted({lo, hi, *(p for a, b, _ in phases for p in (a, b) if lo < p < hi)})
+    out: dict[str, float] = {}
+    for a, b in zip(cuts, cuts[1:]):
+        mid = (a + b) / 2
+        active = [p for p in phases if p[0] <= mid < p[1]]
+        name = max(active, key=lambda p: (p[0], -p[1], p[2]))[2] if active else "outside phases"
+        out[name] = out.get(name, 0.0) + (b - a)
+    return out
+
+
+def idle_by_phase(trace: Path, call: str = "call", min_gap_us: float = 20.0) -> list[dict]:
+    """Per host range named `call` (in trace order): its wall ms, the GPU's busy ms inside it, and its idle ms
+    (gaps of at least `min_gap_us` between busy intervals, from the range's start to its end) charged to the
+    host phase running then (`charge`)."""
+    events = _events(trace)
+    marks = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0) or 0), e.get("name", "?")) for e in events
+                   if e.get("cat") == "user_annotation")
+    calls = [m for m in marks if m[2] == call]
+    phases = [m for m in marks if m[2] != call]
+    busy = merged(gpu_spans(events))
+    rows = []
+    for lo, hi, _ in calls:
+        inside = [(max(a, lo), min(b, hi)) for a, b in busy if b > lo and a < hi]
+        idle: dict[str, float] = {}
+        edge = lo
+        for a, b in inside + [(hi, hi)]:
+            if a - edge >= min_gap_us:
+                for name, us in charge((edge, a), phases).items():
+                    idle[name] = idle.get(name, 0.0) + us
+            edge = max(edge, b)
+        rows.append({"wall_ms": (hi - lo) / 1e3, "gpu_busy_ms": sum(b - a for a, b in inside) / 1e3,
+                     "idle_ms": {k: round(v / 1e3, 3) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])}})
+    return rows
+
+
+@contextmanager
+def marked(targets: list[tuple[object, str, str | None]], wrap: dict | None = None) -> Iterator[None]:
+    """Each `(owner, attribute, label)`: calls of `owner.attribute` recorded as a host range named `label` for
+    the block's duration (the attribute restored after); `wrap[attribute]`, where given, replaces it instead (a
+    wrapper that names its own ranges)."""
+    from torch.profiler import record_function
+
+    def recorded(fn, label):
+        def inner(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+        return inner
+
+    with ExitStack() as undo:
+        for owner, attr, label in targets:
+            real = getattr(owner, attr)
+            setattr(owner, attr, (wrap or {}).get(attr) or recorded(real, label))
+            undo.callback(setattr, owner, attr, real)
+        yield
