@@ -4,9 +4,13 @@ nano-vllm's shape: a waiting queue, a running list, a token budget per step, chu
 makes it simpler: a sequence leaves as soon as its last prompt token is computed.
 
 Per-clip sharing: the first request of a clip (its *leader*) computes the shared prefix (system prompt +
-video); the clip's other requests stay waiting until the leader has computed past the end of the video, so
-that when they are admitted `BlockPool.allocate` finds the committed prefix blocks and they compute only
-their own question. Requests of other clips are not held back meanwhile.
+video); the clip's other requests (its *followers*) compute only their own question over the leader's blocks.
+A follower joins the very pass in which the leader's writes reach past the end of the video: each layer of a
+pass writes all its K/V before its attention reads any, so the follower reads blocks written moments before
+(`BlockPool.allocate`'s `writer`). Until that pass it waits; later it finds the committed blocks by hash.
+Why the same pass: a pass of followers alone is a few hundred tokens, too little work for a GPU to hide the
+host's building of its layers, and it costs one more schedule, metadata and sync. Requests of other clips are
+not held back meanwhile.
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ class ScheduledSlice:
         return SeqSlice(self.seq.block_table, self.seq.num_computed, self.num_new)
 
 
+class _Wait(Exception):
+    """A follower whose leader has not written its video's blocks, even by the end of the pass being scheduled."""
+
+
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_batched_tokens: int):
         self.pool = pool
@@ -86,30 +94,43 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _blocked(self, seq: Sequence) -> bool:
+    def _writer(self, seq: Sequence, taken: dict[str, int]) -> tuple[Sequence | None, int]:
+        """(the leader whose blocks `seq` reads in this pass, how many of its tokens are written by the pass's end),
+        or (None, 0) when `seq` leads or its leader finished the prefix in an earlier pass. Raises `_Wait` while
+        the leader's writes, this pass included, stop short of the video's end."""
         leader = self._leaders.get(seq.media_key)
-        return leader is not None and leader is not seq and not leader.prefix_done
+        if leader is None or leader is seq or leader.prefix_done:
+            return None, 0
+        written = leader.num_computed + taken.get(leader.seq_id, 0)
+        if written < leader.video_span[1]:
+            raise _Wait
+        return leader, written
 
     def schedule(self) -> list[ScheduledSlice]:
         """Running sequences continue first (oldest first), then waiting ones are admitted in order."""
         budget = self.budget
         batch: list[ScheduledSlice] = []
+        taken: dict[str, int] = {}   # new tokens of each sequence in this pass
         for seq in self.running:
             if budget == 0:
                 break
             take = min(seq.remaining, budget)
             batch.append(ScheduledSlice(seq, take))
+            taken[seq.seq_id] = take
             budget -= take
         skipped: deque[Sequence] = deque()
         while self.waiting and budget > 0:
             seq = self.waiting.popleft()
-            if self._blocked(seq):
+            try:
+                writer, written = self._writer(seq, taken)
+            except _Wait:
                 skipped.append(seq)
                 continue
             span = seq.video_span if seq.share_prefix else (0, seq.num_tokens)
             media = [(span[0], span[1], seq.media_key)]
             try:
-                alloc = self.pool.allocate(seq.seq_id, seq.token_ids.tolist(), media)
+                alloc = self.pool.allocate(seq.seq_id, seq.token_ids.tolist(), media,
+                                           writer=writer.seq_id if writer else None, written=written)
             except PoolExhaustedError:
                 if not self.running and not batch:
                     raise  # nothing will ever free blocks: the pool cannot hold this request at all
@@ -121,6 +142,7 @@ class Scheduler:
             self._leaders.setdefault(seq.media_key, seq)
             take = min(seq.remaining, budget)
             batch.append(ScheduledSlice(seq, take))
+            taken[seq.seq_id] = take
             budget -= take
         self.waiting.extendleft(reversed(skipped))
         return batch

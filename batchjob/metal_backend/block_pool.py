@@ -3,8 +3,11 @@
 Every question about one clip starts with the same system prompt and the same video tokens. Hashing each
 full block (its tokens, the media those tokens came from, and the previous block's hash) lets a later
 question find the blocks an earlier one already computed and share them instead of recomputing the
-vision-heavy prefix. Only blocks whose KV has been written (`mark_computed`) can be hit, so a reader never
-sees a block that another sequence is still filling.
+vision-heavy prefix. Only blocks whose KV has been written (`mark_computed`) can be hit by hash, so a reader never
+sees a block that another sequence is still filling. The one exception is asked for by name: a sequence computed
+in the same forward pass as the sequence writing its prefix (`allocate(..., writer=, written=)`) may share the
+blocks that pass writes, because every layer writes the pass's K/V before any of its attention reads it. Those
+blocks are registered only when the writer's `mark_computed` says so; a pass that fails registers nothing.
 
 Freed blocks go to one of two places: blocks holding no registered prefix go to a plain free list; blocks
 that still hold a registered prefix go to an evictable list in least-recently-freed order. Allocation takes
@@ -161,11 +164,15 @@ class BlockPool:
         return list(self._seqs)
 
     # --- mutations ------------------------------------------------------------------------------------
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], media: Sequence[MediaSpan] = ()) -> SeqBlocks:
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], media: Sequence[MediaSpan] = (), *,
+                 writer: Hashable | None = None, written: int = 0) -> SeqBlocks:
         """Give a new sequence its block table, reusing committed blocks of the longest matching prefix.
 
         At most `len(token_ids) - 1` tokens count as cached: the last token is always recomputed because its
-        logits are the answer. Raises PoolExhaustedError without changing anything when blocks run short.
+        logits are the answer. `writer` (a sequence holding blocks) and `written`: past the committed hits, the
+        prefix may go on through the writer's own blocks, as far as they match and lie within its first `written`
+        tokens, which the caller guarantees are written in the forward pass this sequence joins (before any
+        layer's attention reads them). Raises PoolExhaustedError without changing anything when blocks run short.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; free it before allocating it again")
@@ -180,6 +187,13 @@ class BlockPool:
             if block is None:
                 break
             hits.append(block)
+        if writer is not None:
+            state = self._state(writer)
+            limit = min((n - 1) // self.block_size, written // self.block_size, len(state.block_hashes))
+            for i in range(len(hits), limit):
+                if hashes[i] != state.block_hashes[i]:
+                    break
+                hits.append(state.block_table[i])
         need = self.blocks_needed(n) - len(hits)
         available = self.num_free_blocks - sum(1 for b in hits if self._ref[b] == 0)
         if need > available:

@@ -225,3 +225,32 @@ def test_prepared_inputs_answer_like_frames(tiny_classifier, rng, make_clip, mak
     other = preprocess_video(clip.frames, clip.metadata, VisionSettings(v.min_pixels, v.max_pixels * 2))
     [bad] = clf.classify([_with_clip(requests[0], Clip(None, clip.metadata, "other-settings", inputs=other))])
     assert bad.choice is None and "prepared with processor settings" in bad.error
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl-gqa", "qwen3_vl"])
+def test_a_clips_questions_take_one_pass_and_match_each_asked_alone(tiny_classifier, rng, make_clip, make_request,
+                                                                    check_choice, monkeypatch, name):
+    """The followers join the pass that writes their leader's video (scheduler.py): one forward for the clip, each
+    follower reading the prefix blocks written in that same pass; answers as each question gets alone, unshared."""
+    from batchjob.engine import classifier as classifier_module
+
+    clf = tiny_classifier(name)
+    clip = make_clip(rng, f"one-pass-{uuid.uuid4().hex}")
+    requests = [make_request(rng, f"q{i}", clip) for i in range(int(rng.integers(2, 5)))]
+    passes = []
+    real = classifier_module.forward
+    monkeypatch.setattr(classifier_module, "forward", lambda *a, **k: passes.append(len(a[1])) or real(*a, **k))
+    results = clf.classify(requests)
+    monkeypatch.undo()
+    assert passes == [len(requests)]
+    num_video = results[0].prompt_tokens - len(clf.prompts.token_ids(requests[0].question, requests[0].options, 0))
+    ids = clf.prompts.token_ids(requests[0].question, requests[0].options, num_video)
+    video_end = placeholder_runs(ids, clf.checkpoint.video_token_id)[-1][1]
+    block = clf.config.block_size
+    assert all(r.cached_tokens >= video_end // block * block for r in results[1:])   # the leader's video blocks
+    private = tiny_classifier(name, enable_prefix_sharing=False)
+    for request, got in zip(requests, results):
+        alone = private.classify([_with_clip(request, _fresh(clip))])[0]
+        assert got.error is None and alone.cached_tokens == 0
+        np.testing.assert_allclose(got.probs, alone.probs, rtol=0, atol=1e-5)
+        check_choice(got, alone.logprobs)

@@ -197,3 +197,43 @@ def test_duplicate_content_computed_twice_keeps_one_shared_copy():
     pool.free("evict all")
     assert pool.num_free_blocks == 6 and not any(pool.is_cached(i) for i in range(6))
     assert pool.allocate("again", [3] * 9).num_cached_tokens == 0
+
+
+def test_a_pass_mate_shares_what_its_writer_writes_in_that_pass_and_nothing_is_registered_before():
+    """`allocate(..., writer=, written=)`: past the committed hits, the blocks the writer fills by the end of the
+    pass (its first `written` tokens), as far as the content matches; nothing findable by hash until the writer
+    commits, so a failed pass leaves no trace."""
+    pool = BlockPool(num_blocks=24, block_size=BS)
+    system, video = [1, 2, 3, 4], [9] * 8
+    media = ((4, 12, "clipA"),)
+    leader = system + video + [5, 6, 7]
+    follower = system + video + [8, 7, 6, 5, 4]
+    lead = pool.allocate("L", leader, media)
+    assert lead.num_cached_tokens == 0
+    for written in range(len(leader) + 1):
+        got = pool.allocate("F", follower, media, writer="L", written=written)
+        shared = min(written // BS, 3)   # system and video: three full blocks in common
+        assert got.num_cached_tokens == shared * BS
+        assert got.block_table[:shared] == lead.block_table[:shared]
+        assert set(got.block_table[shared:]).isdisjoint(lead.block_table)
+        assert [pool.ref_count(b) for b in lead.block_table[:shared]] == [2] * shared
+        pool.free("F")
+    other = pool.allocate("O", system + video + [8], ((4, 12, "clipB"),), writer="L", written=len(leader))
+    assert other.num_cached_tokens == BS   # the system prompt only: another clip's video
+    pool.free("O")
+    assert not any(pool.is_cached(b) for b in lead.block_table)   # not before the writer commits
+
+    pool.allocate("F", follower, media, writer="L", written=len(leader))
+    pool.free("F")
+    pool.free("L")   # the pass failed: nothing was committed
+    assert pool.allocate("X", follower, media).num_cached_tokens == 0
+    pool.free("X")
+
+    lead = pool.allocate("L2", leader, media)
+    got = pool.allocate("F2", follower, media, writer="L2", written=len(leader))
+    pool.mark_computed("L2", len(leader))
+    pool.mark_computed("F2", len(follower))
+    assert all(pool.is_cached(b) for b in lead.block_table[:3]) and got.block_table[:3] == lead.block_table[:3]
+    pool.free("L2")
+    pool.free("F2")
+    assert pool.allocate("Y", follower, media).num_cached_tokens == 4 * BS   # by hash now (F2 committed block 4)
