@@ -104,6 +104,12 @@ def job_inputs(a):
     return cfg, paths, decoder_args, list(zip(jobs, decoded))
 
 
+def forward_label(model, batch, *args, **kwargs) -> str:
+    """A pass of a call's new prompts, or of followers only, each over a cached video."""
+    followers = all(s.seq.num_computed > s.seq.video_span[0] for s in batch)
+    return "forward: followers" if followers else "forward: prompts"
+
+
 def gpu_idle(engine, batches: list) -> list[dict]:
     """Each batch answered under torch.profiler (CUPTI), the engine's host phases marked: per call its wall, the
     GPU's busy time and its idle time by phase (`benchlib.cupti.idle_by_phase`). Prints a line per call and the
@@ -112,7 +118,7 @@ def gpu_idle(engine, batches: list) -> list[dict]:
     import tempfile
 
     import mlx.core as mx
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     from batchjob.engine import classifier as classifier_module
     from batchjob.engine import runner
@@ -124,18 +130,10 @@ def gpu_idle(engine, batches: list) -> list[dict]:
               (Scheduler, "schedule", "schedule"), (Scheduler, "finish_step", "finish step"),
               (clf, "_video_rows", "video rows"), (classifier_module, "_result", "results"),
               (runner, "build_attention_metadata", "forward: metadata"), (runner, "_embed", "forward: embed"),
-              (runner, "_video_injection", "forward: video rows"), (mx, "eval", "waits (mx.eval)")]
-    real_forward = classifier_module.forward
-
-    def forward(model, batch, *a, **k):   # the pass of a call's new prompts, or of followers over their prefixes
-        followers = all(s.seq.num_computed > s.seq.video_span[0] for s in batch)   # each over a cached video
-        label = "forward: followers" if followers else "forward: prompts"
-        with record_function(label):
-            return real_forward(model, batch, *a, **k)
-
+              (runner, "_video_injection", "forward: video rows"), (mx, "eval", "waits (mx.eval)"),
+              (classifier_module, "forward", forward_label)]
     trace = Path(tempfile.mkdtemp(prefix="bj-job-cupti-")) / "trace.json"
-    with marked(phases + [(classifier_module, "forward", None)], wrap={"forward": forward}), \
-            profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with marked(phases), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for b in batches:
             engine.answer(b)
     prof.export_chrome_trace(str(trace))

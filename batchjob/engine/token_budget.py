@@ -11,6 +11,8 @@ from width and its memory is the host's, shared with the decoders.
 
 from __future__ import annotations
 
+import math
+
 CPU_TOKENS = 8192
 GPU_MAX_TOKENS = 32768
 GPU_MIN_TOKENS = 1024
@@ -69,7 +71,7 @@ def smallest_budget(*, weights_bytes: int, kv_request_bytes: int, bytes_per_toke
     if tokens is not None:
         return weights_bytes + tokens * bytes_per_token + kv_request_bytes
     floor = GPU_MIN_TOKENS * bytes_per_token + kv_request_bytes
-    share = -(-kv_request_bytes * 100 // round(100 * (1 - ACTIVATION_SHARE)))
+    share = math.ceil(kv_request_bytes / (1 - ACTIVATION_SHARE))   # what auto's activations leave for the KV
     cap = GPU_MAX_TOKENS * bytes_per_token + kv_request_bytes
     return weights_bytes + min(cap, max(floor, share))
 

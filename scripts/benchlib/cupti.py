@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -97,21 +97,20 @@ def idle_by_phase(trace: Path, call: str = "call", min_gap_us: float = 20.0) -> 
 
 
 @contextmanager
-def marked(targets: list[tuple[object, str, str | None]], wrap: dict | None = None) -> Iterator[None]:
-    """Each `(owner, attribute, label)`: calls of `owner.attribute` recorded as a host range named `label` for
-    the block's duration (the attribute restored after); `wrap[attribute]`, where given, replaces it instead (a
-    wrapper that names its own ranges)."""
+def marked(targets: list[tuple[object, str, str | Callable[..., str]]]) -> Iterator[None]:
+    """Each `(owner, attribute, label)`: calls of `owner.attribute` recorded as a host range named `label` (or
+    `label(*args, **kwargs)`, named per call) for the block's duration; the attribute is restored after."""
     from torch.profiler import record_function
 
     def recorded(fn, label):
         def inner(*a, **k):
-            with record_function(label):
+            with record_function(label if isinstance(label, str) else label(*a, **k)):
                 return fn(*a, **k)
         return inner
 
     with ExitStack() as undo:
         for owner, attr, label in targets:
             real = getattr(owner, attr)
-            setattr(owner, attr, (wrap or {}).get(attr) or recorded(real, label))
+            setattr(owner, attr, recorded(real, label))
             undo.callback(setattr, owner, attr, real)
         yield
