@@ -8,7 +8,7 @@ and vLLM engines live in modules imported only where they run (see `batchjob.pip
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:   # annotations only: the config schema never imports this module, so imports flow one way
     from batchjob.config import ModelConfig, PromptConfig
@@ -211,6 +211,16 @@ class EngineBase:
 
     def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:
         raise NotImplementedError
+
+    def stage(self, clips: Sequence[EngineClip]) -> None:
+        """Optional: host work for clips `answer` gets next, done ahead on another thread of the engine's process
+        while the current batch runs (pipeline/driver_engine.py). Must not change what `answer` returns."""
+        return None
+
+    def watch_device(self, busy: Callable[[], None]) -> None:
+        """Optional, with `stage`: call `busy()` when an answer's device work is queued and its thread is about
+        to wait on it, the moment when staging slows the answer least."""
+        return None
 
     def describe(self) -> EngineDescription:
         return EngineDescription(self.name, self.model_id)

@@ -44,10 +44,11 @@ class LoadedCheckpoint:
     weights_bytes: int
     device: str = "cpu"  # "cpu" | "metal" | "cuda"
 
-    def encode_clip(self, inputs) -> mx.array:
+    def encode_clip(self, inputs, uploaded=None) -> mx.array:
         """A prepared clip's vision features (`family.encode_video`), its patch bytes normalised on the device
-        (`patchify.device_pixels`): how the classifier, and benchmarks of its tower, run the tower."""
-        return self.family.encode_video(self.model, device_pixels(inputs), inputs.grid_thw, self.dtype)
+        (`patchify.device_pixels`; `uploaded`: those bytes uploaded ahead): how the classifier, and benchmarks of
+        its tower, run the tower."""
+        return self.family.encode_video(self.model, device_pixels(inputs, uploaded), inputs.grid_thw, self.dtype)
 
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
+from typing import Callable
 from typing import Sequence as Seq
 
 import mlx.core as mx
@@ -26,11 +28,13 @@ from .cuda_fused import activate as activate_fused_kernels
 from .cuda_fused import select_fused_kernels
 from .device import EngineRuntime, dtype_name
 from .memory_budget import MemoryBudgetError, MemoryPlan, plan_memory, read_device_memory
+from .patchify import upload_bytes
 from .preprocess import VideoPlan, check_frames, check_prepared, plan_video, preprocess_video
 from .prompt import PromptBuilder
 from . import runner
 from .runner import forward
 from .scheduler import Scheduler, Sequence
+from .staging import StagingArea
 from .token_budget import (activation_bytes_per_token, auto_batched_tokens, language_model_shape,
                            reused_bytes_per_token)
 from .types import ClassifyRequest, ClassifyResult, EngineConfig, EngineError
@@ -139,6 +143,11 @@ class Classifier:
         self.pool = BlockPool(num_blocks, config.block_size)
         self.kv_cache = KVCache(num_layers, num_blocks, config.block_size, kv_heads, head_dim, checkpoint.dtype)
         self._features = VideoFeatureCache(config.block_size)
+        self._staging = StagingArea()
+        self._prompt_lock = threading.Lock()   # the tokenizer, for `stage` on another thread
+        # Called once a call's first pass is queued and its thread about to wait on the device: the moment for
+        # another thread's `stage` (pipeline/driver_engine.py).
+        self.on_device_busy: Callable[[], None] | None = None
         self.vision_calls = 0  # vision-tower runs (each encodes one clip); the sharing tests count them
         self._call_ids = itertools.count()
         clock.mark("kv_cache")
@@ -174,9 +183,17 @@ class Classifier:
         media_id = request.clip.media_id
         return media_id if self.config.enable_prefix_sharing else f"{media_id}#{call_id}:{index}"
 
+    def _video_prompt(self, request: ClassifyRequest, plan: VideoPlan):
+        with self._prompt_lock:
+            return self.checkpoint.family.video_prompt(self.prompts, request.question, request.options, plan)
+
     def _prepare(self, index: int, request: ClassifyRequest, call_id: int) -> Sequence:
         plan = self._clip_plan(request.clip)
-        prompt = self.checkpoint.family.video_prompt(self.prompts, request.question, request.options, plan)
+        prompt = None
+        if request.clip.inputs is not None:
+            prompt = self._staging.take_prompt(request.clip.inputs, request.question, request.options)
+        if prompt is None:
+            prompt = self._video_prompt(request, plan)
         ids = prompt.token_ids
         if len(ids) > self.config.max_model_len:
             raise ValueError(
@@ -210,7 +227,8 @@ class Classifier:
         inputs = clip.inputs or preprocess_video(clip.frames, clip.metadata, self.checkpoint.vision)
         if inputs.grid_thw != grid_thw:
             raise RuntimeError(f"processor grid {inputs.grid_thw} != planned {grid_thw} for {clip.media_id}")
-        features = self.checkpoint.encode_clip(inputs)
+        uploaded = self._staging.take_upload(clip.inputs) if clip.inputs is not None else None
+        features = self.checkpoint.encode_clip(inputs, uploaded)
         mx.async_eval(features)
         self.vision_calls += 1
         return self._features.put_clip(key, features)
@@ -245,6 +263,24 @@ class Classifier:
                 break
         return started
 
+    def stage(self, requests: Seq[ClassifyRequest]) -> None:
+        """Do the host work of a later `classify(requests)` now, on the caller's thread: each clip's patch bytes
+        uploaded (`patchify.upload_bytes`) and each request's prompt made. Safe beside a running call (MLX is
+        only asked to make arrays from host data; the tokenizer is shared under a lock). Best effort: a request
+        that fails here is left to the call, which reports it."""
+        for request in requests:
+            inputs = request.clip.inputs
+            if inputs is None:
+                continue
+            try:
+                plan = self._clip_plan(request.clip)
+                if inputs.pixel_values.dtype == np.uint8 and not self._staging.has_upload(inputs):
+                    self._staging.put_upload(inputs, upload_bytes(inputs.pixel_values))
+                self._staging.put_prompt(inputs, request.question, request.options,
+                                         self._video_prompt(request, plan))
+            except Exception as err:   # the call meets it again and reports it as the request's error
+                log.debug("staging %s: %s", request.request_id, err)
+
     # --- the loop ------------------------------------------------------------------------------------------
     def classify(self, requests: Seq[ClassifyRequest]) -> list[ClassifyResult]:
         """Answer every request; results come back in request order, failed requests as error results."""
@@ -273,7 +309,8 @@ class Classifier:
             while scheduler.has_work():
                 batch = scheduler.schedule()
                 out = forward(self.checkpoint.model, batch, self.kv_cache, self._attention,
-                              self._video_rows(batch, requests), self.checkpoint.family.num_deepstack)
+                              self._video_rows(batch, requests), self.checkpoint.family.num_deepstack,
+                              on_first_wait=self.on_device_busy)
                 for row, slot in enumerate(out.finished_slices):
                     seq = batch[slot].seq
                     results[seq.index] = _result(requests[seq.index].request_id, seq, out.logits[row])
@@ -286,6 +323,7 @@ class Classifier:
             scheduler.abort_all()
             for key in pending:
                 self._features.release_clip(key, 0, keep_tail=False)  # after an exception: drop leftovers
+            self._staging.drop([r.clip.inputs for r in requests])
         return results  # type: ignore[return-value]
 
 

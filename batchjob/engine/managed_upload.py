@@ -116,5 +116,6 @@ def prefetch_to_gpu(array, prefetcher: Prefetcher | None = None) -> bool:
     prefetcher = prefetcher or _cuda_prefetcher()
     if prefetcher is None:
         return False
-    mx.eval(array)         # made from host data: nothing to wait for, its buffer exists
+    # No mx.eval: an array made from host data is available as made, and reading its buffer's address touches
+    # no stream, so a thread other than the engine's may upload (patchify.upload_bytes).
     return prefetcher(buffer_address(array), array.nbytes)

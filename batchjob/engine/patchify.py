@@ -65,26 +65,38 @@ def normalize_bytes(patch_bytes: np.ndarray, table: np.ndarray) -> np.ndarray:
     return table.reshape(-1)[patch_bytes + _byte_offsets(patch_bytes.shape[1], len(table))]
 
 
-def normalize_on_device(patch_bytes: np.ndarray, table: np.ndarray):
-    """`normalize_bytes` as an MLX array, computed on the default device: the bytes go up, the floats are
-    made there (the same table gathered, so the same values)."""
+def upload_bytes(patch_bytes: np.ndarray):
+    """The patch bytes as an MLX array on the default device, their pages sent on to the GPU at once on CUDA.
+    Only makes an array from host data (no graph, no evaluation), so another thread may call it beside a
+    running forward (`Classifier.stage`)."""
     import mlx.core as mx
 
     from .managed_upload import prefetch_to_gpu
 
     raw = mx.array(patch_bytes)
     prefetch_to_gpu(raw)      # on CUDA: the pages go up now, not when the gather below faults them in
+    return raw
+
+
+def normalize_on_device(patch_bytes, table: np.ndarray):
+    """`normalize_bytes` as an MLX array, computed on the default device: the bytes go up (or are up already:
+    an `upload_bytes` array), the floats are made there (the same table gathered, so the same values)."""
+    import mlx.core as mx
+
+    raw = patch_bytes if isinstance(patch_bytes, mx.array) else upload_bytes(patch_bytes)
     index = raw.astype(mx.uint32) + mx.array(_byte_offsets(patch_bytes.shape[1], len(table)))
     return mx.take(mx.array(table.reshape(-1)), index)
 
 
-def device_pixels(inputs):
+def device_pixels(inputs, uploaded=None):
     """The tower's pixels for prepared `inputs` (`preprocess.VideoInputs`): patch bytes (what the decoders send)
-    normalised on the device, float32 patches as they are."""
+    normalised on the device, float32 patches as they are. `uploaded`: the bytes' `upload_bytes` array, made
+    ahead of time."""
     pixels = inputs.pixel_values
     if pixels.dtype != np.uint8:
         return pixels
-    return normalize_on_device(pixels, normalize_table(inputs.settings.image_mean, inputs.settings.image_std))
+    table = normalize_table(inputs.settings.image_mean, inputs.settings.image_std)
+    return normalize_on_device(pixels if uploaded is None else uploaded, table)
 
 
 def host_pixels(inputs) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,11 +80,13 @@ def forward(
     attention: AttentionFn,
     video_features: Mapping[str, FeatureRows],
     num_deepstack: int = 0,
+    on_first_wait: Callable[[], None] | None = None,
 ) -> ForwardOutput:
     """Run the decoder over the packed batch, writing KV; logits only at finishing sequences' last token.
 
     With DeepStack (Qwen3-VL), feature set i is added to the video tokens' hidden states after layer i. Each
-    layer is queued as soon as it is built, at most LAYER_LAG ahead of the GPU."""
+    layer is queued as soon as it is built, at most LAYER_LAG ahead of the GPU. `on_first_wait` is called once,
+    when the host first waits on the device (work queued, the thread about to idle: `Classifier.stage`'s turn)."""
     lm = model.language_model
     meta = build_attention_metadata([s.attention_slice() for s in batch], kv_cache.block_size)
     positions = np.concatenate(
@@ -106,7 +108,12 @@ def forward(
                 mx.async_eval(h, kv_cache.k[i], kv_cache.v[i])
                 queued.append(h)
                 if len(queued) > LAYER_LAG:
+                    if on_first_wait is not None:
+                        on_first_wait()
+                        on_first_wait = None
                     mx.eval(queued.popleft())   # the GPU still holds LAYER_LAG layers: the host waits, the GPU does not
+    if on_first_wait is not None:
+        on_first_wait()
     finished = [i for i, s in enumerate(batch) if s.is_last_chunk]
     if not finished:  # a chunk of a long prompt: only the cache writes matter
         mx.eval(kv_cache.k, kv_cache.v)

@@ -85,16 +85,19 @@ def media_hash_spans(
     return [(s, e, str(m)) for (s, e), m in zip(runs, media_ids)]
 
 
-def hash_blocks(token_ids: Sequence[int], media: Sequence[MediaSpan], block_size: int) -> list[bytes]:
+def hash_blocks(token_ids: Sequence[int], media: Sequence[MediaSpan], block_size: int,
+                known: Sequence[bytes] = ()) -> list[bytes]:
     """Chain hashes of the full blocks of a prompt (a pure function, so tests can compare against it).
 
     Block i's hash covers its token ids, the ids of media spans overlapping it (with the overlap bounds, so
     a shifted span hashes differently) and block i-1's hash, so equal hashes mean equal whole prefixes.
+    `known`: the hashes of the leading blocks, already computed for a prompt that agrees with this one that far
+    (`shared_blocks`); the chain goes on from them.
     """
-    hashes: list[bytes] = []
-    parent = b"batchjob-kv-v2"
+    hashes: list[bytes] = list(known)
+    parent = hashes[-1] if hashes else b"batchjob-kv-v2"
     words = np.asarray(token_ids, dtype=np.int64)   # fixed-width bytes: no separator needed, no text built
-    for i in range(len(words) // block_size):
+    for i in range(len(hashes), len(words) // block_size):
         lo, hi = i * block_size, (i + 1) * block_size
         h = hashlib.sha256(parent)
         h.update(words[lo:hi].tobytes())
@@ -104,6 +107,27 @@ def hash_blocks(token_ids: Sequence[int], media: Sequence[MediaSpan], block_size
         parent = h.digest()
         hashes.append(parent)
     return hashes
+
+
+def shared_blocks(words_a: np.ndarray, media_a: Sequence[MediaSpan], words_b: np.ndarray,
+                  media_b: Sequence[MediaSpan], block_size: int) -> int:
+    """How many leading full blocks two prompts hash alike: as far as their tokens agree and their media spans,
+    clipped to that prefix, are the same. Why: a clip's questions share the video prefix, and hashing it once
+    per clip instead of once per question saves most of the hashing."""
+    n = min(len(words_a), len(words_b))
+    differ = np.flatnonzero(words_a[:n] != words_b[:n])
+    agree = int(differ[0]) if differ.size else n
+    # Span pairs (in list order) must agree clipped to the prefix: both left out of it, or both in it alike.
+    for a, b in zip(media_a, media_b):
+        if a == b:
+            continue
+        if a[0] != b[0] or a[2] != b[2]:
+            agree = min(agree, a[0], b[0])          # both must start past the prefix
+        else:
+            agree = min(agree, a[1], b[1])          # same start and media: alike up to the nearer end
+    for extra in (*media_a[len(media_b):], *media_b[len(media_a):]):
+        agree = min(agree, extra[0])
+    return agree // block_size
 
 
 def _check_media(media: Sequence[MediaSpan], num_tokens: int) -> None:
@@ -130,6 +154,7 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, still cached; oldest first
         self._seqs: dict[Hashable, _SeqState] = {}
+        self._last_hashed: tuple[np.ndarray, tuple[MediaSpan, ...], list[bytes]] | None = None
         self.stats = PoolStats()
 
     # --- queries -------------------------------------------------------------------------------------
@@ -180,7 +205,13 @@ class BlockPool:
         if n == 0:
             raise ValueError(f"sequence {seq_id!r} has no tokens; a prompt needs at least one token")
         _check_media(media, n)
-        hashes = hash_blocks(token_ids, media, self.block_size)
+        words = np.asarray(token_ids, dtype=np.int64)
+        known: list[bytes] = []
+        if self._last_hashed is not None:   # the previous prompt (often the same clip's, another question)
+            last_words, last_media, last_hashes = self._last_hashed
+            known = last_hashes[:shared_blocks(last_words, last_media, words, media, self.block_size)]
+        hashes = hash_blocks(words, media, self.block_size, known)
+        self._last_hashed = (words, tuple(media), hashes)
         hits: list[int] = []
         for h in hashes[: (n - 1) // self.block_size]:
             block = self._by_hash.get(h)

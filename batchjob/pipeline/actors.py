@@ -13,13 +13,13 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from batchjob.config import ModelConfig, PromptConfig
-from batchjob.contract import (BatchAnswers, ClipMetadata, DecodeStatus, EngineClip, EngineDescription, InputPreparer,
-                               StartupStep)
+from batchjob.contract import (BatchAnswers, ClipMetadata, DecodeStatus, EngineBase, EngineClip, EngineDescription,
+                               InputPreparer, StartupStep)
 
 if TYPE_CHECKING:
     from batchjob.loaders.transport import RemoteOptions
@@ -134,6 +134,22 @@ class EngineHost:
         from batchjob.pipeline.stats import peak_rss_mb
 
         return peak_rss_mb()
+
+    def watch_device(self, busy: Callable[[], None]) -> bool:
+        """Hand the engine `busy` (`Engine.watch_device`); True when it stages batches ahead (`Engine.stage`)."""
+        stage = getattr(type(self.engine), "stage", None)
+        if stage is None or stage is EngineBase.stage or not callable(getattr(self.engine, "watch_device", None)):
+            return False
+        self.engine.watch_device(busy)
+        return True
+
+    def stage(self, clips: Sequence[EngineClip], *payloads: Any) -> None:
+        """The engine's host work for a batch it answers next (`Engine.stage`), on the caller's thread. Never
+        raises: what fails here, `answer` meets again and reports."""
+        try:
+            self.engine.stage([dataclasses.replace(c, payload=p) for c, p in zip(clips, payloads)])
+        except Exception as err:
+            log.debug("staging a batch failed (answer redoes it): %s", err)
 
     def answer(self, clips: Sequence[EngineClip], *payloads: Any) -> BatchAnswers:
         """clips[i] is answered from payloads[i]; payloads arrive as top-level arguments so Ray resolves

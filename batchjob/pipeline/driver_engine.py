@@ -1,11 +1,13 @@
 """The engine on one thread of the driver's process (`runtime.engine_placement`, see pipeline/placement.py).
 
 The thread starts at launch and loads the model while the main thread checks the job, scans the output and
-starts Ray and the decoders; then it answers batches one at a time, in order. Everything MLX does happens on
+starts Ray and the decoders; then it answers batches one at a time, in order. Everything MLX computes happens on
 that one thread (MLX's default device and streams are process state, and a model is not shared across
-threads). MLX releases the GIL while the device computes, so the driver's loop keeps dispatching decodes.
-Payloads still travel decoder -> engine as ObjectRefs: the thread resolves them itself (zero-copy from Ray's
-object store) so the driver's loop never waits on them.
+threads; the staging thread below only makes arrays from host data). MLX releases the GIL while the device
+computes, so the driver's loop keeps dispatching decodes.
+Payloads still travel decoder -> engine as ObjectRefs: a second thread resolves them (zero-copy from Ray's
+object store) so the driver's loop never waits on them, and has the engine do the next batch's host work
+(uploads, prompts: `Engine.stage`) while the engine's thread waits on the device for the current one.
 
 `DriverWorkers` puts this engine behind the driver's `Workers` seam beside Ray's decoders: its tickets are
 futures, and a batch that raises comes back as `TaskFailed`, as from an actor.
@@ -34,7 +36,7 @@ class DriverEngine:
 
     def __init__(self, model: ModelConfig, prompt: PromptConfig, *, cpus: float = 1.0,
                  process_wide: bool = False, resolve: Callable[[list], list] | None = None):
-        """`resolve` turns the payload handles into payloads on the engine's thread (default: `ray.get`)."""
+        """`resolve` turns the payload handles into payloads on the staging thread (default: `ray.get`)."""
         self._resolve = resolve
         self.started = time.perf_counter()
         self.ready_at: float | None = None        # perf_counter when the load finished
@@ -61,22 +63,56 @@ class DriverEngine:
             return
         self.ready_at = time.perf_counter()
         self._ready.set_result(description)
-        self._answer_batches(host)
-
-    def _answer_batches(self, host) -> None:
         if self._resolve is None:
             import ray
 
             self._resolve = ray.get
+        staged: queue.Queue = queue.Queue(maxsize=1)
+        turn = threading.Event()
+        stager = threading.Thread(target=self._stage_batches, args=(host, staged, turn, host.watch_device(turn.set)),
+                                  name="batchjob-engine-stage", daemon=True)
+        stager.start()
+        self._answer_batches(host, staged, turn)
+
+    def _stage_batches(self, host, staged: queue.Queue, turn: threading.Event, stages: bool) -> None:
+        """The staging thread: takes the batches in order and resolves their payloads; where the engine stages,
+        waits for `turn` and has it do the batch's host work ahead (`EngineHost.stage`). `turn` is set when the
+        running batch's device work is queued and the engine's thread waits on it, or when that thread is idle;
+        it is cleared as a batch starts, and by this thread as it takes its turn."""
         while True:
             job = self._jobs.get()
             if job is None:
+                staged.put(None)
                 return
             future, clips, refs = job
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
                 payloads = self._resolve(list(refs)) if refs else []
+            except BaseException as err:
+                staged.put((future, clips, None, err))
+                continue
+            if stages and not future.cancelled():
+                turn.wait()
+                turn.clear()
+                host.stage(clips, *payloads)
+            staged.put((future, clips, payloads, None))
+
+    def _answer_batches(self, host, staged: queue.Queue, turn: threading.Event) -> None:
+        while True:
+            turn.clear()            # this batch's host work comes first: staging waits for its device work
+            try:
+                job = staged.get_nowait()
+            except queue.Empty:
+                turn.set()          # idle: the next batch may be staged at once
+                job = staged.get()
+            if job is None:
+                return
+            future, clips, payloads, error = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            if error is not None:
+                future.set_exception(error)
+                continue
+            try:
                 future.set_result(host.answer(clips, *payloads))
             except BaseException as err:
                 future.set_exception(err)

@@ -125,7 +125,8 @@ class MlxEngine(EngineBase):
             "temporal_step": self._model.temporal_step, "timestamps": self._model.timestamps,
             "memory": self._clf.memory.as_dict()}, startup=self._clf.startup)
 
-    def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:
+    @staticmethod
+    def _requests(clips: Sequence[EngineClip]) -> list:
         from batchjob.engine import ClassifyRequest, Clip, VideoInputs
 
         def clip(c: EngineClip) -> Clip:
@@ -138,8 +139,17 @@ class MlxEngine(EngineBase):
         for c in clips:
             engine_clip = clip(c)
             requests += [ClassifyRequest(q.row_id, engine_clip, q.text, q.options) for q in c.job.questions]
+        return requests
+
+    def stage(self, clips: Sequence[EngineClip]) -> None:
+        self._clf.stage(self._requests(clips))
+
+    def watch_device(self, busy) -> None:
+        self._clf.on_device_busy = busy
+
+    def answer(self, clips: Sequence[EngineClip]) -> list[Answer]:
         return [Answer(r.request_id, r.choice, r.probs, r.prompt_tokens, r.cached_tokens, r.error)
-                for r in self._clf.classify(requests)]
+                for r in self._clf.classify(self._requests(clips))]
 
 
 def mlx_cuda_installed() -> bool:

@@ -9,7 +9,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import numpy as np
+
 from batchjob.metal_backend import BlockPool, PoolExhaustedError, hash_blocks, media_hash_spans
+from batchjob.metal_backend.block_pool import shared_blocks
 
 BS = 4
 # A tiny alphabet of prompts so that prefixes collide often: shared system prompt, two clips, two questions.
@@ -237,3 +240,83 @@ def test_a_pass_mate_shares_what_its_writer_writes_in_that_pass_and_nothing_is_r
     pool.free("L2")
     pool.free("F2")
     assert pool.allocate("Y", follower, media).num_cached_tokens == 4 * BS   # by hash now (F2 committed block 4)
+
+
+def _derived_prompt(rng, tokens: list[int], media: list) -> tuple[list[int], list]:
+    """Another prompt sharing a random prefix with (tokens, media): tokens cut and changed past a point, spans
+    shifted, renamed, cut short, dropped or added there (in any order, overlapping or not)."""
+    cut = int(rng.integers(0, len(tokens) + 1))
+    new_tokens = tokens[:cut] + [int(t) for t in rng.integers(0, 6, int(rng.integers(0, 40)))]
+    new_media = []
+    for s, e, m in media:
+        change = rng.integers(0, 6)
+        if change == 0:
+            s, e = s + 1, e + 1
+        elif change == 1:
+            m = m + "'"
+        elif change == 2:
+            e = max(s + 1, e - int(rng.integers(1, 9)))
+        elif change == 3:
+            continue
+        new_media.append((s, e, m))
+    if rng.random() < 0.3:
+        s = int(rng.integers(0, len(new_tokens)))
+        new_media.append((s, s + int(rng.integers(1, 20)), "extra"))
+    if rng.random() < 0.2:
+        new_media.reverse()
+    n = len(new_tokens)
+    return new_tokens, [(s, min(e, n), m) for s, e, m in new_media if s < n]
+
+
+def test_hashes_carried_over_from_a_shared_prefix_equal_the_whole_chain(rng):
+    """hash_blocks continued from `shared_blocks` of an earlier prompt's hashes equals the chain hashed from the
+    start, for random pairs (tokens and media changed past random points); for ordered, disjoint spans (what
+    media_hash_spans makes) it carries over every leading block the two chains agree on."""
+    carried = 0
+    for trial in range(400):
+        bs = int(rng.integers(1, 9))
+        tokens = [int(t) for t in rng.integers(0, 6, int(rng.integers(1, 120)))]
+        media, pos = [], 0
+        while pos < len(tokens) - 1 and rng.random() < 0.7:
+            s = int(rng.integers(pos, len(tokens)))
+            e = int(rng.integers(s + 1, len(tokens) + 1))
+            media.append((s, e, f"clip{int(rng.integers(0, 3))}"))
+            pos = e
+        other, other_media = _derived_prompt(rng, tokens, media)
+        if not other:
+            continue
+        whole_a = hash_blocks(tokens, media, bs)
+        whole_b = hash_blocks(other, other_media, bs)
+        k = shared_blocks(np.asarray(tokens), media, np.asarray(other), other_media, bs)
+        assert hash_blocks(other, other_media, bs, known=whole_a[:k]) == whole_b, trial
+        agree = next((i for i, (x, y) in enumerate(zip(whole_a, whole_b)) if x != y), min(len(whole_a), len(whole_b)))
+        assert k <= agree
+        ordered = all(a[1] <= b[0] for a, b in zip(other_media, other_media[1:]))
+        if ordered:
+            assert k == agree, trial
+        carried += k
+    assert carried > 0
+
+
+def test_a_clips_questions_hash_the_video_once(monkeypatch):
+    """The pool carries the video prefix's hashes from one question to the next of the same clip (and the hits
+    are those of hashing from scratch)."""
+    import batchjob.metal_backend.block_pool as bp
+
+    hashed: list[int] = []
+    real = bp.hash_blocks
+
+    def counting(token_ids, media, block_size, known=()):
+        hashed.append(len(token_ids) // block_size - len(known))
+        return real(token_ids, media, block_size, known)
+
+    monkeypatch.setattr(bp, "hash_blocks", counting)
+    pool = BlockPool(num_blocks=64, block_size=4)
+    video = [7] * 40
+    for q, question in enumerate(([1, 2, 3], [4, 5, 6, 7], [8])):
+        tokens = [1, 2] + video + question
+        got = pool.allocate(q, tokens, [(2, 42, "clipA")])
+        assert got.num_cached_tokens == (0 if q == 0 else 40)
+        pool.mark_computed(q, len(tokens))
+    assert hashed[0] == (2 + 40 + 3) // 4
+    assert hashed[1:] == [len([1, 2] + video + [4, 5, 6, 7]) // 4 - 10, len([1, 2] + video + [8]) // 4 - 10]

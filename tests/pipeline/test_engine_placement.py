@@ -109,6 +109,39 @@ class ThreadEngine(EngineBase):
         return out
 
 
+class StagingEngine(ThreadEngine):
+    """Stages batches ahead (`stage`) and says when its device is busy (`watch_device`); records when each batch's
+    host work, device wait and staging happen. A question "STAGE-FAIL" makes its staging raise."""
+    events: list[tuple[str, str, str, float]] = []     # (what, batch's first media id, thread, time)
+
+    def __init__(self, model, prompt):
+        super().__init__(model, prompt)
+        self.busy = None
+
+    def watch_device(self, busy):
+        self.busy = busy
+
+    def _note(self, what, clips):
+        StagingEngine.events.append((what, clips[0].job.media_id, threading.current_thread().name, time.perf_counter()))
+
+    def stage(self, clips):
+        self._note("stage", clips)
+        if any(q.text == "STAGE-FAIL" for c in clips for q in c.job.questions):
+            raise RuntimeError("staging refuses")
+        time.sleep(0.01)
+
+    def answer(self, clips):
+        self._note("host", clips)
+        time.sleep(0.03)             # the call's own host work: no staging may run now
+        self._note("busy", clips)
+        for _ in range(3):           # a call of several passes: busy once each
+            self.busy()
+            time.sleep(0.02)         # the device's work, the thread waiting on it
+        out = super().answer(clips)
+        self._note("end", clips)
+        return out
+
+
 class SlowLoadEngine(ThreadEngine):
     """A load of many short steps, each marked on a StepClock (as the MLX engine's load is)."""
 
@@ -169,6 +202,41 @@ def test_driver_engine_answers_on_its_own_thread_in_order(engine_module, rng):
     finally:
         engine.close()
     assert not engine._thread.is_alive()
+
+
+def test_the_next_batch_is_staged_while_the_engine_waits_on_its_device(engine_module, rng):
+    """Each batch after the first is staged on the staging thread while an earlier batch waits on its device,
+    never during a batch's own host work; answers come back in order, a staging failure costs nothing."""
+    StagingEngine.events = []
+    engine = _driver_engine(engine_module, "StagingEngine")
+    try:
+        workers = DriverWorkers([], engine)
+        engine.description()
+        texts = ["q?"] * 6
+        texts[rng.randrange(1, 6)] = "STAGE-FAIL"
+        batches = [[_clip(100 + i, texts[i])] for i in range(6)]
+        tickets = [workers.answer(0, [c for c, _ in b], [f for _, f in b]) for b in batches]
+        results = [None] * len(tickets)
+        for i, t in enumerate(tickets):
+            workers.wait([t], timeout=10)
+            results[i] = workers.result(t)
+        for b, r in zip(batches, results):
+            assert {a.row_id: a.choice for a in r.answers} == {q.row_id: int(f.sum()) % 3 for c, f in b
+                                                              for q in c.job.questions}
+    finally:
+        engine.close()
+    events = StagingEngine.events
+    at = {(what, mid): t for what, mid, _, t in events}
+    assert {thread for what, _, thread, _ in events if what == "stage"} == {"batchjob-engine-stage"}
+    assert {thread for what, _, thread, _ in events if what != "stage"} == {"batchjob-engine"}
+    ids = [b[0][0].job.media_id for b in batches]
+    assert [mid for what, mid, _, _ in events if what == "host"] == ids       # answered in order
+    for mid in ids:
+        assert ("stage", mid) in at and at[("stage", mid)] < at[("host", mid)]   # staged before its answer began
+        for other in ids:                                                      # never inside a call's host work
+            assert not at[("host", other)] < at[("stage", mid)] < at[("busy", other)], (mid, other)
+    for k, mid in enumerate(ids[1:], 1):     # queued behind running batches: staged in one's device wait
+        assert any(at[("busy", prev)] < at[("stage", mid)] < at[("end", prev)] for prev in ids[:k]), mid
 
 
 def test_a_failing_batch_is_a_task_failure_and_the_engine_goes_on(engine_module):
