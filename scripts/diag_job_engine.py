@@ -2,7 +2,8 @@
 
 Decodes clips with the shipped config's loader and prepares them as the decoders do (MlxClipPreparer), then
 answers them in batches of `runtime.clips_per_batch` through `MlxEngine` (what the driver's engine thread
-calls). Prints ms per clip per batch with MLX's memory after each (in use, cached, never-used KV blocks), then
+calls), each batch's uploads and prompts staged on a second thread during the batch before it, as the driver's
+engine does (`--no-stage`: each batch does its own). Prints ms per clip per batch with MLX's memory after each (in use, cached, never-used KV blocks), then
 the host profile's top functions. `--contend N` keeps N processes decoding beside the engine, as a job's
 decoders do; `--cache-limit-gb` / `--clear-each-batch` try other settings of MLX's buffer cache. `--cupti N`
 answers N more batches under torch.profiler and charges the GPU's idle time in each to the engine's host phase
@@ -18,6 +19,7 @@ import multiprocessing as mp
 import os
 import pstats
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -104,13 +106,39 @@ def job_inputs(a):
     return cfg, paths, decoder_args, list(zip(jobs, decoded))
 
 
+def answer_all(engine, batches: list, stage: bool = True, after=None) -> list[float]:
+    """Answers the batches in order, as the driver's engine thread does: with `stage`, each next batch is staged
+    (`MlxEngine.stage`) on a second thread once the current batch's first pass is queued. `after()` runs after
+    each batch, outside its time. Returns ms per batch."""
+    ms = []
+    for i, batch in enumerate(batches):
+        ahead = batches[i + 1] if stage and i + 1 < len(batches) else None
+        stager: list[threading.Thread] = []
+
+        def busy(ahead=ahead, stager=stager):
+            if ahead is not None and not stager:
+                stager.append(threading.Thread(target=engine.stage, args=(ahead,), name="diag-stage"))
+                stager[0].start()
+
+        engine.watch_device(busy)
+        t = time.perf_counter()
+        engine.answer(batch)
+        ms.append((time.perf_counter() - t) * 1e3)
+        for thread in stager:
+            thread.join()
+        if after is not None:
+            after()
+    engine.watch_device(None)
+    return ms
+
+
 def forward_label(model, batch, *args, **kwargs) -> str:
     """A pass of a call's new prompts, or of followers only, each over a cached video."""
     followers = all(s.seq.num_computed > s.seq.video_span[0] for s in batch)
     return "forward: followers" if followers else "forward: prompts"
 
 
-def gpu_idle(engine, batches: list) -> list[dict]:
+def gpu_idle(engine, batches: list, stage: bool = True) -> list[dict]:
     """Each batch answered under torch.profiler (CUPTI), the engine's host phases marked: per call its wall, the
     GPU's busy time and its idle time by phase (`benchlib.cupti.idle_by_phase`). Prints a line per call and the
     medians."""
@@ -134,8 +162,7 @@ def gpu_idle(engine, batches: list) -> list[dict]:
               (classifier_module, "forward", forward_label)]
     trace = Path(tempfile.mkdtemp(prefix="bj-job-cupti-")) / "trace.json"
     with marked(phases), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for b in batches:
-            engine.answer(b)
+        answer_all(engine, batches, stage)
     prof.export_chrome_trace(str(trace))
     rows = idle_by_phase(trace)
     for i, r in enumerate(rows):
@@ -162,6 +189,7 @@ def main() -> None:
     ap.add_argument("--cupti", type=int, default=0, help="batches to run under torch.profiler: the GPU's idle time "
                     "in each, charged to the engine's host phase running then")
     ap.add_argument("--json", type=Path, default=None, help="where the --cupti summary goes")
+    ap.add_argument("--no-stage", action="store_true", help="no batch staged during the one before (the job stages)")
     a = ap.parse_args()
     cfg, paths, decoder_args, decoded = job_inputs(a)
     import mlx.core as mx
@@ -177,33 +205,33 @@ def main() -> None:
                  for job, (meta, payload) in decoded]
         return [clips[i:i + cpb] for i in range(0, len(clips), cpb)]
 
-    for b in batches("warm")[:2]:
-        engine.answer(b)
+    stage = not a.no_stage
+    answer_all(engine, batches("warm")[:2], stage)
     if a.cache_limit_gb is not None:
         mx.set_cache_limit(int(a.cache_limit_gb * GIB))
     ms, memory = [], []
     with decoders_beside(paths, decoder_args, a.contend, a.contend_nice):
-        for b in batches("timed"):
-            t = time.perf_counter()
-            engine.answer(b)
+        def after():
             if a.clear_each_batch:
                 mx.clear_cache()
-            ms.append((time.perf_counter() - t) * 1e3 / len(b))
             memory.append((round(mx.get_active_memory() / GIB, 1), round(mx.get_cache_memory() / GIB, 1),
                            len(engine._clf.pool._free)))
+
+        timed = batches("timed")
+        ms = [t / len(b) for t, b in zip(answer_all(engine, timed, stage, after), timed)]
     print(f"per batch (active GiB, MLX cache GiB, never-used KV blocks): {memory}; memory limit "
           f"{mx.get_memory_limit() / GIB:.1f} GiB, peak {mx.get_peak_memory() / GIB:.1f} GiB", flush=True)
     print(f"{a.model} (contend {a.contend}, nice {a.contend_nice}, cache limit {a.cache_limit_gb} GiB, clear each "
-          f"batch {a.clear_each_batch}): ms per clip per batch: {[round(x) for x in ms]}; median "
+          f"batch {a.clear_each_batch}, staged {stage}): ms per clip per batch: {[round(x) for x in ms]}; median "
           f"{sorted(ms)[len(ms) // 2]:.0f}", flush=True)
     if a.cupti:
-        report = gpu_idle(engine, batches("cupti")[:a.cupti])
+        report = gpu_idle(engine, batches("cupti")[:a.cupti], stage)
         if a.json:
-            a.json.write_text(json.dumps({"model": a.model, "clips_per_batch": cpb, "calls": report}, indent=1))
+            a.json.write_text(json.dumps({"model": a.model, "clips_per_batch": cpb, "staged": stage, "calls": report},
+                                         indent=1))
     prof = cProfile.Profile()
     prof.enable()
-    for b in batches("profiled")[:8]:
-        engine.answer(b)
+    answer_all(engine, batches("profiled")[:8], stage)
     prof.disable()
     for key, top in (("cumulative", 35), ("tottime", 20)):
         s = io.StringIO()
