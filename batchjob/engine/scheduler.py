@@ -129,7 +129,7 @@ class Scheduler:
             span = seq.video_span if seq.share_prefix else (0, seq.num_tokens)
             media = [(span[0], span[1], seq.media_key)]
             try:
-                alloc = self.pool.allocate(seq.seq_id, seq.token_ids.tolist(), media,
+                alloc = self.pool.allocate(seq.seq_id, seq.token_ids, media,
                                            writer=writer.seq_id if writer else None, written=written)
             except PoolExhaustedError:
                 if not self.running and not batch:

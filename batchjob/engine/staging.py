@@ -12,25 +12,17 @@ for a prompt, by the question and options too. What a call does not take is drop
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 
-@dataclass(frozen=True)
-class StagedPrompt:
-    """A request's prompt (`family.video_prompt`'s result) made ahead for these inputs, question and options."""
-
-    inputs: Any
-    prompt: Any
-
-
 class StagingArea:
-    """Uploads and prompts made ahead, by clip inputs; safe to use from the engine's and a staging thread."""
+    """Uploads and prompts made ahead, by clip inputs; safe to use from the engine's and a staging thread. Each
+    entry holds its inputs, so no other object can take their id while it lives."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._uploads: dict[int, tuple[Any, Any]] = {}          # id(inputs) -> (inputs, uploaded bytes)
-        self._prompts: dict[Hashable, StagedPrompt] = {}
+        self._prompts: dict[Hashable, tuple[Any, Any]] = {}     # (id(inputs), question, options) -> (inputs, prompt)
 
     @staticmethod
     def _prompt_key(inputs, question: str, options: Sequence[str]) -> Hashable:
@@ -48,16 +40,17 @@ class StagingArea:
         """The bytes uploaded for `inputs` (once: the call that encodes the clip owns them), or None."""
         with self._lock:
             entry = self._uploads.pop(id(inputs), None)
-        return None if entry is None or entry[0] is not inputs else entry[1]
+        return None if entry is None else entry[1]
 
     def put_prompt(self, inputs, question: str, options: Sequence[str], prompt) -> None:
         with self._lock:
-            self._prompts[self._prompt_key(inputs, question, options)] = StagedPrompt(inputs, prompt)
+            self._prompts[self._prompt_key(inputs, question, options)] = (inputs, prompt)
 
     def take_prompt(self, inputs, question: str, options: Sequence[str]):
+        """The prompt made for this request (`family.video_prompt`'s result), or None."""
         with self._lock:
             entry = self._prompts.pop(self._prompt_key(inputs, question, options), None)
-        return None if entry is None or entry.inputs is not inputs else entry.prompt
+        return None if entry is None else entry[1]
 
     def drop(self, inputs_list: Sequence[Any]) -> None:
         """Forget whatever was staged for these inputs (a call's leftovers: requests that failed first)."""

@@ -205,7 +205,7 @@ class BlockPool:
         if n == 0:
             raise ValueError(f"sequence {seq_id!r} has no tokens; a prompt needs at least one token")
         _check_media(media, n)
-        words = np.asarray(token_ids, dtype=np.int64)
+        words = np.array(token_ids, dtype=np.int64)   # a copy: kept below, whatever the caller does to its own
         known: list[bytes] = []
         if self._last_hashed is not None:   # the previous prompt (often the same clip's, another question)
             last_words, last_media, last_hashes = self._last_hashed
