@@ -3,11 +3,13 @@
 Decodes clips with the shipped config's loader and prepares them as the decoders do (MlxClipPreparer), then
 answers them in batches of `runtime.clips_per_batch` through `MlxEngine` (what the driver's engine thread
 calls), each batch's uploads and prompts staged on a second thread during the batch before it, as the driver's
-engine does (`--no-stage`: each batch does its own). Prints ms per clip per batch with MLX's memory after each (in use, cached, never-used KV blocks), then
-the host profile's top functions. `--contend N` keeps N processes decoding beside the engine, as a job's
-decoders do; `--cache-limit-gb` / `--clear-each-batch` try other settings of MLX's buffer cache. `--cupti N`
-answers N more batches under torch.profiler and charges the GPU's idle time in each to the engine's host phase
-running then (preparing, scheduling, the vision rows, the forward, results), `--json` keeps that summary.
+engine does (`--no-stage`: each batch does its own). Prints ms per clip per batch with MLX's memory after each
+(in use, cached, never-used KV blocks), then the host profile's top functions. `--contend N` keeps N processes
+decoding beside the engine, as a job's decoders do, at nice 15 (`--contend-nice`; Ray starts the job's decoders at
+its worker niceness, 15, so they yield the cores to the driver's engine thread); `--cache-limit-gb` /
+`--clear-each-batch` try other settings of MLX's buffer cache. `--cupti N` answers N more batches under
+torch.profiler, with no process decoding beside it, and charges the GPU's idle time in each to the engine's host
+phase running then (preparing, scheduling, the vision rows, the forward, results), `--json` keeps that summary.
 """
 from __future__ import annotations
 
@@ -160,6 +162,7 @@ def gpu_idle(engine, batches: list, stage: bool = True) -> list[dict]:
               (runner, "build_attention_metadata", "forward: metadata"), (runner, "_embed", "forward: embed"),
               (runner, "_video_injection", "forward: video rows"), (mx, "eval", "waits (mx.eval)"),
               (classifier_module, "forward", forward_label)]
+    phases = [p for p in phases if hasattr(p[0], p[1])]   # an older engine's A/B copy may lack a phase
     trace = Path(tempfile.mkdtemp(prefix="bj-job-cupti-")) / "trace.json"
     with marked(phases), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         answer_all(engine, batches, stage)
@@ -182,7 +185,8 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path("/tmp/bjcache"))
     ap.add_argument("--contend", type=int, default=0, help="processes decoding and preparing clips in a loop "
                     "while the engine answers (as the job's decoders do)")
-    ap.add_argument("--contend-nice", type=int, default=0, help="their nice value")
+    ap.add_argument("--contend-nice", type=int, default=15, help="their nice value (Ray starts the job's decoders "
+                    "at its worker_niceness, 15)")
     ap.add_argument("--cache-limit-gb", type=float, default=None, help="mx.set_cache_limit after the load")
     ap.add_argument("--clear-each-batch", action="store_true", help="mx.clear_cache() after every batch")
     ap.add_argument("--smoke", action="store_true", help="tiny clips and model: checks the script on a CPU")

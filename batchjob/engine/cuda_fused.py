@@ -13,10 +13,17 @@ another order moves a rounding: a unit in the last place of a typical element. T
 start on CUDA in half precision and compares it with the portable form on random inputs at the model's head counts
 (`select_fused_kernels`); a kernel that fails to build or to match is not used, and the reason is in the run's
 summary. Elsewhere (CPU, Metal, float32) nothing is built and the portable form runs.
+
+It is built header-free by NVRTC (`precompiled_source`, engine/nvrtc.py) and run through
+`mx.fast.precompiled_cuda_kernel`: `mx.fast.cuda_kernel` would compile it with MLX's device headers in every
+process, which cost more than a second of each start. The same body serves MLX's build, which runs where NVRTC
+cannot be used; only the conversions between float and the half types differ in spelling (`_MLX_CONVERSIONS`,
+`_BITS_CONVERSIONS`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +31,8 @@ import mlx.core as mx
 import numpy as np
 
 from .fused_ops import RotaryTables, rope_heads, split_tables
+
+log = logging.getLogger(__name__)
 
 HALF_DTYPES = (mx.bfloat16, mx.float16)
 THREADS = 256
@@ -46,7 +55,7 @@ _QK_NORM_ROPE = r"""
     float squares = 0.0f;
     #pragma unroll
     for (int i = 0; i < E; ++i) {
-        v[i] = static_cast<float>(x[i]);
+        v[i] = LOAD_T(x[i]);
         squares += v[i] * v[i];
     }
     #pragma unroll
@@ -58,28 +67,119 @@ _QK_NORM_ROPE = r"""
     constexpr bool ROUND_TABLES = sizeof(C) == sizeof(T);
     #pragma unroll
     for (int i = 0; i < E; ++i) {
-        const float normed = static_cast<float>(static_cast<T>(v[i] * inv));
-        v[i] = static_cast<float>(static_cast<T>(normed * static_cast<float>(w[i])));
+        const float normed = ROUND_T(v[i] * inv);
+        v[i] = ROUND_T(normed * LOAD_T(w[i]));
     }
     #pragma unroll
     for (int i = 0; i < E; ++i) {
         const float partner = __shfl_xor_sync(0xffffffffu, v[i], 16);   // element i + D/2 (or i - D/2)
         const float rotated = lane < 16 ? -partner : partner;
-        float a = v[i] * static_cast<float>(c[i]);
-        float b = rotated * static_cast<float>(s[i]);
+        float a = v[i] * LOAD_C(c[i]);
+        float b = rotated * LOAD_C(s[i]);
         if (ROUND_TABLES) {
-            a = static_cast<float>(static_cast<T>(a));
-            b = static_cast<float>(static_cast<T>(b));
+            a = ROUND_T(a);
+            b = ROUND_T(b);
         }
-        o[i] = static_cast<T>(a + b);
+        o[i] = STORE_T(a + b);
     }
 """
 
 
-def _qk_norm_rope_kernel():
+# The body's conversions, as MLX's headers give them (T and C are CUDA's half types or float there)
+_MLX_CONVERSIONS = r"""
+#define LOAD_T(v) static_cast<float>(v)
+#define LOAD_C(v) static_cast<float>(v)
+#define ROUND_T(v) static_cast<float>(static_cast<T>(v))
+#define STORE_T(v) static_cast<T>(v)
+"""
+
+# Header-free: half types as their 16 bits, converted with the PTX instructions cuda_bf16.h / cuda_fp16.h use
+# (round to nearest even; exact widening).
+_BITS_CONVERSIONS = r"""
+__device__ __forceinline__ float bf16_to_float(unsigned short h) {
+    union { unsigned int u; float f; } w; w.u = ((unsigned int)h) << 16; return w.f;
+}
+__device__ __forceinline__ unsigned short float_to_bf16(float x) {
+    unsigned short r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r;
+}
+__device__ __forceinline__ float f16_to_float(unsigned short h) {
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ unsigned short float_to_f16(float x) {
+    unsigned short r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r;
+}
+__device__ __forceinline__ float f32_to_float(float x) { return x; }
+"""
+_BITS = {mx.bfloat16: ("unsigned short", "bf16"), mx.float16: ("unsigned short", "f16"), mx.float32: ("float", "f32")}
+
+
+def precompiled_source(name: str, t: mx.Dtype, c: mx.Dtype, hq: int, hk: int, d: int) -> str:
+    """The kernel as one header-free translation unit for NVRTC (`mx.fast.precompiled_cuda_kernel`'s convention:
+    the inputs, the output, then the scalars: `qkv`'s tokens and heads); the same body as MLX's build."""
+    (t_type, t_tag), (c_type, c_tag) = _BITS[t], _BITS[c]
+    return (_BITS_CONVERSIONS + f"""
+#define LOAD_T(v) {t_tag}_to_float(v)
+#define LOAD_C(v) {c_tag}_to_float(v)
+#define ROUND_T(v) {t_tag}_to_float(float_to_{t_tag}(v))
+#define STORE_T(v) float_to_{t_tag}(v)
+typedef {t_type} T;
+typedef {c_type} C;
+extern "C" __global__ void {name}(const T* qkv, const T* q_weight, const T* k_weight, const C* cos_table,
+                                  const C* sin_table, const float* eps, T* out, int qkv_tokens, int qkv_heads) {{
+    constexpr int HQ = {hq};
+    constexpr int HK = {hk};
+    constexpr int D = {d};
+    const int qkv_shape[2] = {{qkv_tokens, qkv_heads}};
+""" + _QK_NORM_ROPE + "}\n")
+
+
+def _mlx_qk_norm_rope_kernel():
     return mx.fast.cuda_kernel(name="batchjob_qk_norm_rope",
                                input_names=["qkv", "q_weight", "k_weight", "cos_table", "sin_table", "eps"],
-                               output_names=["out"], source=_QK_NORM_ROPE)
+                               output_names=["out"], source=_QK_NORM_ROPE, header=_MLX_CONVERSIONS)
+
+
+def precompiled_kernel(compiler, fallback):
+    """`mx.fast.cuda_kernel`'s calling convention over a kernel `compiler` (nvrtc.Compiler) builds header-free
+    per template; `fallback()` (MLX's build) serves a template whose compile fails."""
+    built: dict[tuple, Callable] = {}
+
+    def build(template) -> Callable:
+        args = dict(template)
+        t, c, hq, hk, d = args["T"], args["C"], args["HQ"], args["HK"], args["D"]
+        name = f"batchjob_qk_norm_rope_{_BITS[t][1]}_{_BITS[c][1]}_{hq}_{hk}_{d}"
+        try:
+            cubin = compiler.cubin(name, precompiled_source(name, t, c, hq, hk, d))
+        except Exception as err:   # NVRTC refused it: MLX's own build of the same body
+            log.info("qk_norm_rope: NVRTC build failed (%s); MLX's cuda_kernel builds it", str(err)[:300])
+            return fallback()
+
+        def run(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            return mx.fast.precompiled_cuda_kernel(
+                name=name, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
+                output_dtypes=output_dtypes, scalars=[int(inputs[0].shape[0]), int(inputs[0].shape[1])], grid=grid,
+                threadgroup=threadgroup, ensure_row_contiguous=True)
+        return run
+
+    def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        key = tuple(template)
+        if key not in built:
+            built[key] = build(template)
+        return built[key](inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+                          output_shapes=output_shapes, output_dtypes=output_dtypes)
+
+    return kernel
+
+
+def _qk_norm_rope_kernel():
+    """The kernel as NVRTC builds it header-free (a fraction of MLX's compile time at each start), else MLX's."""
+    from .nvrtc import compiler
+
+    nvrtc = compiler()
+    if isinstance(nvrtc, str):
+        log.info("qk_norm_rope: %s; MLX's cuda_kernel builds it", nvrtc)
+        return _mlx_qk_norm_rope_kernel()
+    return precompiled_kernel(nvrtc, _mlx_qk_norm_rope_kernel)
 
 
 def qk_norm_rope_suits(dtype: mx.Dtype, head_dim: int) -> bool:

@@ -19,7 +19,7 @@ def test_diag_job_engine_smoke(tmp_path):
            "--json", str(tmp_path / "idle.json")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    line = re.search(r"qwen3_vl \(contend 1, nice 0, cache limit 1.0 GiB, clear each batch False, staged True\): "
+    line = re.search(r"qwen3_vl \(contend 1, nice 15, cache limit 1.0 GiB, clear each batch False, staged True\): "
                      r"ms per clip per batch: (\[.*?\]); median", done.stdout)
     assert line, done.stdout[-2000:]
     per_batch = ast.literal_eval(line.group(1))

@@ -1,0 +1,139 @@
+"""Our CUDA kernels compiled by NVRTC directly, header-free, for `mx.fast.precompiled_cuda_kernel`.
+
+Why: `mx.fast.cuda_kernel` compiles its source in every process that first runs it (MLX keeps no disk cache for
+custom kernels), with MLX's device headers in front of it; on an H100 that costs over a second of each engine's
+start. A source that needs no header compiles in a small fraction of that. NVRTC is the library MLX's CUDA
+backend itself links, so it is already loaded in any process where MLX runs on CUDA; it is found there
+(/proc/self/maps) rather than searched for. Anything missing (no NVRTC, no driver, an architecture NVRTC cannot
+target, a compile error) returns None with the reason, and the caller keeps MLX's own path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+NVRTC_NAMES = ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so")
+
+
+class NvrtcError(RuntimeError):
+    """A compile that failed: NVRTC's message and the program's log."""
+
+
+def loaded_library(fragment: str, maps: str = "/proc/self/maps") -> str | None:
+    """Path of a shared library this process has mapped whose file name contains `fragment`, or None."""
+    try:
+        text = Path(maps).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)   # address, perms, offset, device, inode, then the path if any
+        path = fields[5] if len(fields) == 6 else ""
+        if path.startswith("/") and fragment in Path(path).name:
+            return path
+    return None
+
+
+def load_nvrtc(load: Callable[[str], Any] = ctypes.CDLL) -> Any | None:
+    """The NVRTC library MLX loaded (else the first of NVRTC_NAMES that opens), or None."""
+    for name in filter(None, (loaded_library("libnvrtc.so"), *NVRTC_NAMES)):
+        try:
+            return load(name)
+        except OSError:
+            continue
+    return None
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to compile for: `sm_XY` code for the device's compute capability."""
+
+    major: int
+    minor: int
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.major}{self.minor}"
+
+
+def device_target(device: int = 0, load: Callable[[str], Any] = ctypes.CDLL) -> Target | None:
+    """The compute capability of CUDA device `device` from the driver, or None without one."""
+    try:
+        driver = load("libcuda.so.1")
+        value, dev = ctypes.c_int(), ctypes.c_int()
+        if driver.cuInit(0) != 0 or driver.cuDeviceGet(ctypes.byref(dev), device) != 0:
+            return None
+        attrs = []
+        for attr in (CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR):
+            if driver.cuDeviceGetAttribute(ctypes.byref(value), attr, dev) != 0:
+                return None
+            attrs.append(value.value)
+    except (OSError, AttributeError):
+        return None
+    return Target(*attrs)
+
+
+def _check(nvrtc, status: int, what: str, log_text: str = "") -> None:
+    if status != 0:
+        nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
+        message = nvrtc.nvrtcGetErrorString(status)
+        message = message.decode() if isinstance(message, bytes) else str(status)
+        raise NvrtcError(f"{what}: {message}" + (f"\n{log_text}" if log_text else ""))
+
+
+def compile_cubin(nvrtc, source: str, name: str, target: Target) -> bytes:
+    """`source` compiled for `target` into a cubin (NvrtcError on failure, with the compiler's log)."""
+    prog = ctypes.c_void_p()
+    _check(nvrtc, nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None),
+           "nvrtcCreateProgram")
+    try:
+        options = [f"--gpu-architecture={target.arch}".encode(), b"--std=c++17"]
+        status = nvrtc.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        text = ""
+        if status != 0 and nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size)) == 0:
+            buf = ctypes.create_string_buffer(size.value)
+            nvrtc.nvrtcGetProgramLog(prog, buf)
+            text = buf.value.decode(errors="replace")
+        _check(nvrtc, status, f"compiling {name} for {target.arch}", text)
+        _check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        buf = ctypes.create_string_buffer(size.value)
+        _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+        return buf.raw
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@dataclass
+class Compiler:
+    """NVRTC bound to the device's target; `cubin(name, source)` compiles once per name in this process."""
+
+    nvrtc: Any
+    target: Target
+
+    def __post_init__(self):
+        self._built: dict[str, bytes] = {}
+
+    def cubin(self, name: str, source: str) -> bytes:
+        if name not in self._built:
+            self._built[name] = compile_cubin(self.nvrtc, source, name, self.target)
+        return self._built[name]
+
+
+@functools.lru_cache(maxsize=1)
+def compiler() -> Compiler | str:
+    """This process's Compiler, or why there is none."""
+    nvrtc = load_nvrtc()
+    if nvrtc is None:
+        return "no NVRTC library in this process"
+    target = device_target()
+    if target is None:
+        return "no CUDA driver or device to read the compute capability from"
+    return Compiler(nvrtc, target)

@@ -1,0 +1,144 @@
+"""Our CUDA kernel compiled header-free by NVRTC (engine/nvrtc.py, `cuda_fused.precompiled_source`).
+
+NVRTC compiles without a GPU, so the source the engine hands it on an NVIDIA machine is compiled here for the
+architectures we meet, every dtype pairing the engine can ask for; the loaders and the dispatch are checked with
+stand-ins for the driver, NVRTC and MLX's precompiled-kernel call. What the kernel computes is checked on the GPU
+at every start against the portable form (`check_qk_norm_rope`), and here through its NumPy statement
+(test_cuda_fused.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from batchjob.engine import cuda_fused, nvrtc
+from batchjob.engine.cuda_fused import precompiled_kernel, precompiled_source
+from batchjob.engine.nvrtc import NvrtcError, Target, compile_cubin, load_nvrtc, loaded_library
+
+
+def _wheel_nvrtc():
+    spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("nvidia-cuda-nvrtc-cu12 is not installed (the test extra installs it on Linux x86-64)")
+    lib = Path(list(spec.submodule_search_locations)[0]) / "lib" / "libnvrtc.so.12"
+    return ctypes.CDLL(str(lib))
+
+
+PAIRS = [(mx.bfloat16, mx.bfloat16), (mx.bfloat16, mx.float32), (mx.float16, mx.float16), (mx.float16, mx.float32)]
+
+
+@pytest.mark.parametrize("target", [Target(8, 0), Target(9, 0)])
+@pytest.mark.parametrize("t,c", PAIRS)
+def test_the_kernel_compiles_header_free_for_every_dtype_pairing(t, c, target, rng):
+    lib = _wheel_nvrtc()
+    hq, hk = int(rng.integers(1, 65)), int(rng.integers(1, 9))
+    d = int(rng.choice([64, 128, 256]))
+    name = f"batchjob_qk_norm_rope_test_{hq}_{hk}_{d}"
+    cubin = compile_cubin(lib, precompiled_source(name, t, c, hq, hk, d), name, target)
+    # an ELF whose symbols hold the kernel under its unmangled name (what MLX asks the module for)
+    assert cubin[:4] == b"\x7fELF" and b"\x00" + name.encode() + b"\x00" in cubin
+
+
+def test_a_compile_error_carries_the_compilers_log():
+    lib = _wheel_nvrtc()
+    source = precompiled_source("k", mx.bfloat16, mx.bfloat16, 4, 2, 128).replace("rsqrtf", "no_such_function")
+    with pytest.raises(NvrtcError, match="no_such_function"):
+        compile_cubin(lib, source, "k", Target(9, 0))
+    with pytest.raises(NvrtcError, match="sm_80 or higher"):   # bf16 conversions need Ampere
+        compile_cubin(lib, precompiled_source("k", mx.bfloat16, mx.bfloat16, 4, 2, 128), "k", Target(7, 5))
+
+
+def test_the_library_mlx_loaded_is_found_in_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000-7f1000 r-xp 00000000 08:01 123 /opt/x/lib/libcudnn.so.9\n"
+                    "7f2000-7f3000 r--p 00000000 00:00 0 \n"
+                    "7f4000-7f5000 r-xp 00000000 08:01 456 /opt/site/nvidia/cu13/lib/libnvrtc.so.13\n")
+    assert loaded_library("libnvrtc.so", str(maps)) == "/opt/site/nvidia/cu13/lib/libnvrtc.so.13"
+    assert loaded_library("libnothing", str(maps)) is None
+    assert loaded_library("libnvrtc.so", str(tmp_path / "absent")) is None
+
+
+def test_load_nvrtc_tries_the_mapped_library_then_the_sonames(monkeypatch):
+    tried = []
+
+    def load(name):
+        tried.append(name)
+        if name != "libnvrtc.so.12":
+            raise OSError(name)
+        return "lib"
+
+    monkeypatch.setattr(nvrtc, "loaded_library", lambda fragment: "/mapped/libnvrtc.so.13")
+    assert load_nvrtc(load) == "lib" and tried == ["/mapped/libnvrtc.so.13", "libnvrtc.so.13", "libnvrtc.so.12"]
+    monkeypatch.setattr(nvrtc, "loaded_library", lambda fragment: None)
+    assert load_nvrtc(lambda name: (_ for _ in ()).throw(OSError(name))) is None
+
+
+class _Driver:
+    def __init__(self, major, minor, fail=None):
+        self.values, self.fail = {75: major, 76: minor}, fail
+
+    def cuInit(self, flags):
+        return 100 if self.fail == "init" else 0
+
+    def cuDeviceGet(self, dev, ordinal):
+        return 0
+
+    def cuDeviceGetAttribute(self, value, attr, dev):
+        value._obj.value = self.values[attr]
+        return 0
+
+
+def test_the_target_is_the_devices_compute_capability():
+    assert nvrtc.device_target(load=lambda name: _Driver(9, 0)) == Target(9, 0)
+    assert nvrtc.device_target(load=lambda name: _Driver(8, 6)).arch == "sm_86"
+    assert nvrtc.device_target(load=lambda name: _Driver(9, 0, fail="init")) is None
+    assert nvrtc.device_target(load=lambda name: (_ for _ in ()).throw(OSError(name))) is None
+
+
+def test_the_dispatch_compiles_once_per_template_and_falls_back_per_template(monkeypatch):
+    compiled, ran, fell_back = [], [], []
+
+    class Compiler:
+        def cubin(self, name, source):
+            compiled.append(name)
+            if "_f16_" in name:
+                raise NvrtcError("refused")
+            assert f"void {name}(" in source
+            return b"cubin-of-" + name.encode()
+
+    def precompiled(**kw):
+        ran.append(kw)
+        return ["out"]
+
+    def fallback():
+        def kernel(**kw):
+            fell_back.append(kw)
+            return ["mlx-out"]
+        return kernel
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    kernel = precompiled_kernel(Compiler(), fallback)
+    qkv = mx.zeros((7, 12, 128), dtype=mx.bfloat16)
+    call = dict(grid=(7 * 10 * 32, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(7, 10, 128)],
+                output_dtypes=[mx.bfloat16])
+    bf16 = [("T", mx.bfloat16), ("C", mx.float32), ("HQ", 8), ("HK", 2), ("D", 128)]
+    for _ in range(3):
+        assert kernel(inputs=[qkv] + [None] * 5, template=bf16, **call) == ["out"]
+    assert compiled == ["batchjob_qk_norm_rope_bf16_f32_8_2_128"] and len(ran) == 3
+    assert ran[0]["scalars"] == [7, 12] and ran[0]["compiled_source"] == b"cubin-of-" + compiled[0].encode()
+    assert ran[0]["ensure_row_contiguous"] and ran[0]["grid"] == call["grid"]
+    f16 = [("T", mx.float16), ("C", mx.float16), ("HQ", 8), ("HK", 2), ("D", 128)]
+    for _ in range(2):
+        assert kernel(inputs=[qkv] + [None] * 5, template=f16, **call) == ["mlx-out"]
+    assert compiled[1:] == ["batchjob_qk_norm_rope_f16_f16_8_2_128"] and len(fell_back) == 2
+    assert fell_back[0]["template"] == f16
+
+
+def test_without_nvrtc_the_engine_keeps_mlxs_build(monkeypatch):
+    monkeypatch.setattr(nvrtc, "compiler", lambda: "no NVRTC library in this process")
+    monkeypatch.setattr(cuda_fused, "_mlx_qk_norm_rope_kernel", lambda: "mlx-kernel")
+    assert cuda_fused._qk_norm_rope_kernel() == "mlx-kernel"
