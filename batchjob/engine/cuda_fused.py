@@ -152,6 +152,7 @@ def precompiled_kernel(compiler, fallback):
             cubin = compiler.cubin(name, precompiled_source(name, t, c, hq, hk, d))
         except Exception as err:   # NVRTC refused it: MLX's own build of the same body
             log.info("qk_norm_rope: NVRTC build failed (%s); MLX's cuda_kernel builds it", str(err)[:300])
+            kernel.built_by = f"MLX's cuda_kernel: NVRTC refused it ({str(err).splitlines()[0][:120]})"
             return fallback()
 
         def run(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
@@ -168,6 +169,7 @@ def precompiled_kernel(compiler, fallback):
         return built[key](inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                           output_shapes=output_shapes, output_dtypes=output_dtypes)
 
+    kernel.built_by = "NVRTC, header-free"   # for the run's summary; says so where a template fell back
     return kernel
 
 
@@ -178,7 +180,12 @@ def _qk_norm_rope_kernel():
     nvrtc = compiler()
     if isinstance(nvrtc, str):
         log.info("qk_norm_rope: %s; MLX's cuda_kernel builds it", nvrtc)
-        return _mlx_qk_norm_rope_kernel()
+        mlx_kernel = _mlx_qk_norm_rope_kernel()
+
+        def kernel(**kwargs):
+            return mlx_kernel(**kwargs)
+        kernel.built_by = f"MLX's cuda_kernel: {nvrtc}"
+        return kernel
     return precompiled_kernel(nvrtc, _mlx_qk_norm_rope_kernel)
 
 
@@ -301,14 +308,18 @@ def select_fused_kernels(device: str, dtype: mx.Dtype, *, qk_heads: tuple[int, i
         return FusedKernels(reason=f"portable forms in {dtype}: the kernels are for half precision")
     if not qk_norm_rope_suits(dtype, qk_heads[2]):
         return FusedKernels(reason=f"portable forms for head size {qk_heads[2]} (the kernel takes multiples of 64)")
+    built = None
     try:
-        kernel = qk_norm_rope_with(build_qk_norm_rope())
+        built = build_qk_norm_rope()
+        kernel = qk_norm_rope_with(built)
         problem = check_qk_norm_rope(kernel, dtype, qk_heads)
     except Exception as exc:   # NVRTC errors, a missing header: the portable form still works
         problem = f"qk_norm_rope failed to build or run: {type(exc).__name__}: {str(exc)[:300]}"
     if problem is not None:
         return FusedKernels(reason=problem)
-    return FusedKernels(qk_norm_rope=kernel, reason="the CUDA kernel matched the portable form at start")
+    how = getattr(built, "built_by", None)   # known after the check's call: how its template was compiled
+    return FusedKernels(qk_norm_rope=kernel, reason="the CUDA kernel matched the portable form at start"
+                        + (f"; built by {how}" if how else ""))
 
 
 _ACTIVE = FusedKernels()

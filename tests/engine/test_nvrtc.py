@@ -131,14 +131,39 @@ def test_the_dispatch_compiles_once_per_template_and_falls_back_per_template(mon
     assert compiled == ["batchjob_qk_norm_rope_bf16_f32_8_2_128"] and len(ran) == 3
     assert ran[0]["scalars"] == [7, 12] and ran[0]["compiled_source"] == b"cubin-of-" + compiled[0].encode()
     assert ran[0]["ensure_row_contiguous"] and ran[0]["grid"] == call["grid"]
+    assert kernel.built_by == "NVRTC, header-free"
     f16 = [("T", mx.float16), ("C", mx.float16), ("HQ", 8), ("HK", 2), ("D", 128)]
     for _ in range(2):
         assert kernel(inputs=[qkv] + [None] * 5, template=f16, **call) == ["mlx-out"]
     assert compiled[1:] == ["batchjob_qk_norm_rope_f16_f16_8_2_128"] and len(fell_back) == 2
     assert fell_back[0]["template"] == f16
+    assert kernel.built_by.startswith("MLX's cuda_kernel: NVRTC refused it (refused")
+
+
+def test_the_runs_summary_says_how_the_kernel_was_built(monkeypatch):
+    """select_fused_kernels on 'cuda' with stand-ins: the emulated kernel, dressed as each builder would leave it."""
+    spec = importlib.util.spec_from_file_location("_fused_statement", Path(__file__).with_name("test_cuda_fused.py"))
+    statement = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(statement)
+    emulated_kernel = statement.emulated_kernel   # the kernel's NumPy statement
+
+    def dressed(how):
+        def build():
+            kernel = emulated_kernel()
+            kernel.built_by = how
+            return kernel
+        return build
+
+    for how in ("NVRTC, header-free", "MLX's cuda_kernel: no NVRTC library in this process"):
+        chosen = cuda_fused.select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=dressed(how))
+        assert chosen.qk_norm_rope is not None and chosen.reason.endswith(f"; built by {how}"), chosen.reason
+    plain = cuda_fused.select_fused_kernels("cuda", mx.bfloat16, build_qk_norm_rope=emulated_kernel)
+    assert plain.reason == "the CUDA kernel matched the portable form at start"
 
 
 def test_without_nvrtc_the_engine_keeps_mlxs_build(monkeypatch):
     monkeypatch.setattr(nvrtc, "compiler", lambda: "no NVRTC library in this process")
-    monkeypatch.setattr(cuda_fused, "_mlx_qk_norm_rope_kernel", lambda: "mlx-kernel")
-    assert cuda_fused._qk_norm_rope_kernel() == "mlx-kernel"
+    monkeypatch.setattr(cuda_fused, "_mlx_qk_norm_rope_kernel", lambda: lambda **kw: ("mlx-kernel", kw))
+    kernel = cuda_fused._qk_norm_rope_kernel()
+    assert kernel(inputs=[1], template=[]) == ("mlx-kernel", {"inputs": [1], "template": []})
+    assert kernel.built_by == "MLX's cuda_kernel: no NVRTC library in this process"
