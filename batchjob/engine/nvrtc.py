@@ -4,19 +4,17 @@ Why: `mx.fast.cuda_kernel` compiles its source in every process that first runs 
 custom kernels), with MLX's device headers in front of it; on an H100 that costs over a second of each engine's
 start. A source that needs no header compiles in a small fraction of that. NVRTC is the library MLX's CUDA
 backend itself links, so it is already loaded in any process where MLX runs on CUDA; it is found there
-(/proc/self/maps) rather than searched for. Anything missing (no NVRTC, no driver, an architecture NVRTC cannot
-target, a compile error) returns None with the reason, and the caller keeps MLX's own path.
+(/proc/self/maps) rather than searched for. Without NVRTC or a driver, `compiler()` says why instead of giving
+a Compiler; a source NVRTC refuses (an architecture it cannot target, an error) raises NvrtcError with its log.
+Either way the caller keeps MLX's own build.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
-
-log = logging.getLogger(__name__)
 
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
