@@ -109,20 +109,16 @@ def compile_cubin(nvrtc, source: str, name: str, target: Target) -> bytes:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Compiler:
-    """NVRTC bound to the device's target; `cubin(name, source)` compiles once per name in this process."""
+    """NVRTC bound to the device's target. It keeps nothing: its caller builds each kernel once
+    (`cuda_fused.precompiled_kernel` keeps one per template)."""
 
     nvrtc: Any
     target: Target
 
-    def __post_init__(self):
-        self._built: dict[str, bytes] = {}
-
     def cubin(self, name: str, source: str) -> bytes:
-        if name not in self._built:
-            self._built[name] = compile_cubin(self.nvrtc, source, name, self.target)
-        return self._built[name]
+        return compile_cubin(self.nvrtc, source, name, self.target)
 
 
 @functools.lru_cache(maxsize=1)
