@@ -84,29 +84,38 @@ class PagedAttention(nn.Module):
             q, k, v = (proj(x).reshape(num_tokens, h, d) for proj, h in
                        ((inner.q_proj, hq), (inner.k_proj, hkv), (inner.v_proj, hkv)))
         fused = fused_qk_norm_rope(inner, qkv)
+        qk = None   # the rotated q/k stack (q's heads first) where one exists: q and k are views of it
         if fused is not None:   # one CUDA kernel
             qk = fused(qkv, hq, hkv, inner.q_norm, inner.k_norm, cos2, sin2)
             q, k = qk[:, :hq], qk[:, hq:]
         elif hasattr(inner, "q_norm"):   # Qwen3-VL: per-head RMSNorm of q and k before the rotary embedding
-            q, k = rotate_qk(inner.q_norm(q), inner.k_norm(k), cos, sin, ctx.rope)
+            q, k, _ = rotate_qk(inner.q_norm(q), inner.k_norm(k), cos, sin, ctx.rope)
         else:
-            q, k = rotate_qk(q, k, cos, sin, ctx.rope, stacked=qkv)
+            q, k, qk = rotate_qk(q, k, cos, sin, ctx.rope, stacked=qkv)
         cache, layer = ctx.kv_cache, self.layer_index
         cache.k[layer], cache.v[layer] = write_kv(cache.k[layer], cache.v[layer], k, v, ctx.meta)
         # The new K/V go along: sequences with nothing cached attend to them directly (no gather from the cache).
-        out = ctx.attention(q, cache.k[layer], cache.v[layer], ctx.meta, inner.scale, new_kv=(k, v))
+        out = ctx.attention(q, cache.k[layer], cache.v[layer], ctx.meta, inner.scale, new_kv=(k, v),
+                            **attention_hints(ctx.attention, qk))
         return inner.o_proj(out.reshape(1, num_tokens, -1))
 
 
 def rotate_qk(q: mx.array, k: mx.array, cos: mx.array, sin: mx.array, tables: RotaryTables | None,
-              stacked: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """q `[T, Hq, D]` and k `[T, Hkv, D]` rotated (`fused_ops.rope_heads`): in one kernel over `stacked`, the
-    q/k/v projection's output they are still views of (heads on axis 1, q's first), else each alone."""
+              stacked: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array | None]:
+    """q `[T, Hq, D]` and k `[T, Hkv, D]` rotated (`fused_ops.rope_heads`), and the rotated stack they are views of
+    (or None): in one kernel over `stacked`, the q/k/v projection's output they are still views of (heads on
+    axis 1, q's first), else each alone."""
     hq, hkv = q.shape[1], k.shape[1]
     if stacked is not None:
         qk = rope_heads(stacked, hq + hkv, cos, sin, tables)
-        return qk[:, :hq], qk[:, hq:]
-    return rope_heads(q, hq, cos, sin, tables), rope_heads(k, hkv, cos, sin, tables)
+        return qk[:, :hq], qk[:, hq:], qk
+    return rope_heads(q, hq, cos, sin, tables), rope_heads(k, hkv, cos, sin, tables), None
+
+
+def attention_hints(attention: AttentionFn, qk: mx.array | None) -> dict:
+    """Extra arguments for the attention call: an attention that reads q in place (the Hopper kernel,
+    `reads_q_rows`) gets the rotated q/k stack q is a view of, where there is one, instead of a copy of q."""
+    return {"q_rows": qk} if qk is not None and getattr(attention, "reads_q_rows", False) else {}
 
 
 def fused_qk_norm_rope(inner: nn.Module, qkv: mx.array | None) -> Callable[..., mx.array] | None:
@@ -116,6 +125,13 @@ def fused_qk_norm_rope(inner: nn.Module, qkv: mx.array | None) -> Callable[..., 
     if fused is None or qkv is None or not hasattr(inner, "q_norm"):
         return None
     return fused if qk_norm_rope_suits(qkv.dtype, qkv.shape[-1]) else None
+
+
+def decoder_heads(language_model: nn.Module) -> tuple[int, int, int]:
+    """(q heads, kv heads, head size) of the decoder's attention."""
+    attn = language_model.model.layers[0].self_attn
+    attn = getattr(attn, "inner", attn)
+    return attn.n_heads, attn.n_kv_heads, attn.head_dim
 
 
 def qk_norm_heads(language_model: nn.Module) -> tuple[int, int, int] | None:

@@ -22,8 +22,9 @@ from batchjob.metal_backend.selection import gpu_portable_attention
 
 from batchjob.startup import StepClock
 
-from .attention import install_paged_attention, qk_norm_heads
+from .attention import decoder_heads, install_paged_attention, qk_norm_heads
 from .checkpoint import LoadedCheckpoint, load_checkpoint
+from .cuda_attention import select_hopper_attention
 from .cuda_fused import activate as activate_fused_kernels
 from .cuda_fused import select_fused_kernels
 from .device import EngineRuntime, dtype_name
@@ -94,8 +95,20 @@ def cap_buffer_cache(limit: int) -> int:
     return limit
 
 
-CUDA_REASON = ("NVIDIA GPU: the portable path on cuDNN's fused SDPA (no custom CUDA attention kernels: "
-               "docs/cuda_kernels.md)")
+CUDA_REASON = "NVIDIA GPU: the portable path on cuDNN's fused SDPA"
+
+
+def _select_cuda_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tuple[str, str, object]:
+    """The Hopper paged kernel where it builds and passes its check (`cuda_attention`), else cuDNN's SDPA."""
+    portable = gpu_portable_attention(checkpoint.dtype)
+    heads = decoder_heads(checkpoint.model.language_model)
+    fn, reason = select_hopper_attention(checkpoint.dtype, heads, config.block_size, portable)
+    if fn is not None:
+        return "cuda", reason, fn
+    if config.attention_backend == "cuda":
+        raise EngineError(f"EngineConfig.attention_backend='cuda' but the kernel is unusable here: {reason}; use "
+                          "attention_backend='auto' to fall back to the portable path")
+    return "portable", f"{CUDA_REASON} ({reason})", portable
 
 
 def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tuple[str, str, object]:
@@ -104,8 +117,11 @@ def _select_attention(config: EngineConfig, checkpoint: LoadedCheckpoint) -> tup
         fn = paged_attention if checkpoint.device == "cpu" else gpu_portable_attention(checkpoint.dtype)
         return "portable", "portable path requested (attention_backend='portable')", fn
     dtype = checkpoint.dtype
-    if checkpoint.device == "cuda":   # no kernel of ours beats cuDNN's SDPA there: nothing to build or probe
-        return "portable", CUDA_REASON, gpu_portable_attention(dtype)
+    if checkpoint.device == "cuda":
+        return _select_cuda_attention(config, checkpoint)
+    if config.attention_backend == "cuda":
+        raise EngineError(f"EngineConfig.attention_backend='cuda' needs an NVIDIA Hopper GPU; this engine runs on "
+                          f"{checkpoint.device}: use attention_backend='auto'")
     backend = select_attention_backend(probe=True, dtype=dtype)
     log.info("attention backend %s: %s", backend.name, backend.reason)
     wanted = config.attention_backend

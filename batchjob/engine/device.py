@@ -26,7 +26,7 @@ class EngineRuntime:
 
     device: str  # "cpu" | "metal" | "cuda"
     dtype: str  # "float32" | "float16" | "bfloat16"
-    attention_backend: str  # "portable" | "metal"
+    attention_backend: str  # "portable" | "metal" | "cuda"
     attention_reason: str
     fused_kernels: str = "none"   # the hand-written kernels in use and why (cuda_fused.FusedKernels.summary)
 

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from .kernel_cache import KERNEL_CACHE_ENV
 
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
@@ -109,16 +113,49 @@ def compile_cubin(nvrtc, source: str, name: str, target: Target) -> bytes:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def nvrtc_version(nvrtc) -> str:
+    """NVRTC's version, e.g. "12.9" (part of a cached cubin's key)."""
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    if nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
+        return "unknown"
+    return f"{major.value}.{minor.value}"
+
+
 @dataclass(frozen=True)
 class Compiler:
-    """NVRTC bound to the device's target. It keeps nothing: its caller builds each kernel once
-    (`cuda_fused.precompiled_kernel` keeps one per template)."""
+    """NVRTC bound to the device's target. Its caller builds each kernel once per process
+    (`cuda_fused.precompiled_kernel`, `cuda_attention.HopperKernel`); across processes the cubins are kept in
+    `cache_dir` (the user's kernel cache, beside MLX's), keyed by source, architecture and NVRTC's version, so a
+    start finds them instead of compiling. `arch` overrides the target's (`sm_90a` for Hopper's `wgmma`)."""
 
     nvrtc: Any
     target: Target
+    cache_dir: Path | None = None
 
-    def cubin(self, name: str, source: str) -> bytes:
-        return compile_cubin(self.nvrtc, source, name, self.target)
+    def cubin(self, name: str, source: str, arch: str | None = None) -> bytes:
+        target = _Arch(arch) if arch else self.target
+        cached = None
+        if self.cache_dir is not None:
+            key = hashlib.sha256(f"{target.arch}\0{nvrtc_version(self.nvrtc)}\0{source}".encode()).hexdigest()
+            cached = self.cache_dir / f"batchjob-{name}-{key[:24]}.cubin"
+            try:
+                return cached.read_bytes()
+            except OSError:
+                pass
+        binary = compile_cubin(self.nvrtc, source, name, target)
+        if cached is not None:
+            try:   # written whole, then renamed: a concurrent start reads either nothing or the whole cubin
+                partial = cached.with_suffix(f".{os.getpid()}.tmp")
+                partial.write_bytes(binary)
+                partial.replace(cached)
+            except OSError:   # an unwritable cache costs only the compile
+                pass
+        return binary
+
+
+@dataclass(frozen=True)
+class _Arch:
+    arch: str
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,4 +167,5 @@ def compiler() -> Compiler | str:
     target = device_target()
     if target is None:
         return "no CUDA driver or device to read the compute capability from"
-    return Compiler(nvrtc, target)
+    cache = os.environ.get(KERNEL_CACHE_ENV)   # set by device.activate (keep_compiled_kernels)
+    return Compiler(nvrtc, target, Path(cache) if cache else None)

@@ -107,10 +107,8 @@ class EngineConfig:
             (self.temporal_step in ("nominal", "actual"), "temporal_step must be one of nominal, actual"),
             (self.timestamps in ("actual", "nominal"), "timestamps must be one of actual, nominal"),
             (self.device in ("auto", "cpu", "gpu"), "device must be one of auto, cpu, gpu"),
-            (self.attention_backend != "cuda", "attention_backend 'cuda' is gone: batchjob has no CUDA attention "
-             "kernels (they ran at 0.01-0.2x cuDNN's SDPA, docs/cuda_kernels.md); use auto"),
-            (self.attention_backend in ("auto", "portable", "metal"),
-             "attention_backend must be one of auto, portable, metal"),
+            (self.attention_backend in ("auto", "portable", "metal", "cuda"),
+             "attention_backend must be one of auto, portable, metal, cuda"),
         ]
         for ok, message in checks:
             if not ok:

@@ -4,8 +4,8 @@ A custom kernel that is wrong gives plausible-looking but wrong answers, which i
 the kernels are used only on a Metal device, and only after they reproduce the portable path on probe
 batches (a decode batch for the per-token kernel and a mixed prefill batch with prefix hits for the tiled
 one). Any exception, non-finite value or mismatch is logged with the reason and the portable path is used.
-NVIDIA GPUs run the portable path tuned for fused SDPA (`gpu_portable_attention`): nothing is compiled or
-probed there, since no kernel of ours beats cuDNN's SDPA (docs/cuda_kernels.md).
+NVIDIA GPUs run the portable path tuned for fused SDPA (`gpu_portable_attention`); on Hopper the engine adds
+its own paged kernel where cuDNN's SDPA is slower (`engine/cuda_attention.py`, docs/cuda_kernels.md).
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
     import mlx.core as mx
 
     from batchjob.engine import runner
-    from batchjob.engine.attention import AttentionContext, attention_context, fused_qk_norm_rope, rotate_qk
+    from batchjob.engine.attention import (AttentionContext, attention_context, attention_hints, fused_qk_norm_rope,
+                                            rotate_qk)
     from batchjob.engine.fused_ops import pairs_suit, split_tables, swiglu_halves
     from batchjob.metal_backend import write_kv
     from batchjob.metal_backend.attention_plan import AttentionPlan
@@ -146,8 +147,9 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
                 q, k = attn.q_norm(q), attn.k_norm(k)
                 qkv = None
             # the engine's rotary (attention.PagedAttention): q and k in one kernel when nothing came between
-            steps["rope"] = time_(lambda: list(rotate_qk(q, k, c, s, tables, stacked=qkv)))
-            q, k = rotate_qk(q, k, c, s, tables, stacked=qkv)
+            steps["rope"] = time_(lambda: [x for x in rotate_qk(q, k, c, s, tables, stacked=qkv) if x is not None])
+            q, k, qk = rotate_qk(q, k, c, s, tables, stacked=qkv)
+        hints = attention_hints(clf._attention, qk)   # as the layer calls it
         mx.eval(q, k, v)
 
         written = itertools.count()
@@ -159,12 +161,13 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
             return [cache.k[i], cache.v[i]]
 
         steps["kv_write"] = time_(kv_write)
-        clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v))   # plan built once
-        steps["attention"] = time_(lambda: clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v)))
+        clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v), **hints)   # plan built once
+        steps["attention"] = time_(lambda: clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v),
+                                                          **hints))
         plans = [p for p in meta.plan_cache.values() if isinstance(p, AttentionPlan)]
         if plans:
             out["sdpa_calls_per_layer"] = plans[0].num_calls
-        a = clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v)).reshape(1, t, -1)
+        a = clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v), **hints).reshape(1, t, -1)
         steps["o_proj"] = time_(lambda: attn.o_proj(a))
         h1 = x + attn.o_proj(a)
         hn = layer.post_attention_layernorm(h1)

@@ -167,3 +167,32 @@ def test_without_nvrtc_the_engine_keeps_mlxs_build(monkeypatch):
     kernel = cuda_fused._qk_norm_rope_kernel()
     assert kernel(inputs=[1], template=[]) == ("mlx-kernel", {"inputs": [1], "template": []})
     assert kernel.built_by == "MLX's cuda_kernel: no NVRTC library in this process"
+
+
+def test_compiled_kernels_are_kept_on_disk_by_source_and_architecture(tmp_path, monkeypatch):
+    """A second process (a new Compiler) finds the cubin instead of compiling; another source or architecture
+    compiles anew; an unwritable cache only costs the compile."""
+    compiled = []
+
+    def fake_compile(lib, source, name, target):
+        compiled.append((name, target.arch))
+        return f"cubin {name} {target.arch} {len(source)}".encode()
+
+    monkeypatch.setattr(nvrtc, "compile_cubin", fake_compile)
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda lib: "12.9")
+    first = nvrtc.Compiler(object(), Target(9, 0), tmp_path)
+    assert first.cubin("k", "source one") == b"cubin k sm_90 10"
+    assert nvrtc.Compiler(object(), Target(9, 0), tmp_path).cubin("k", "source one") == b"cubin k sm_90 10"
+    assert compiled == [("k", "sm_90")]
+    first.cubin("k", "source one", "sm_90a")
+    first.cubin("k", "source two")
+    assert compiled == [("k", "sm_90"), ("k", "sm_90a"), ("k", "sm_90")]
+    assert len(list(tmp_path.glob("batchjob-k-*.cubin"))) == 3 and not list(tmp_path.glob("*.tmp"))
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda lib: "13.0")   # another NVRTC: compiled again
+    first.cubin("k", "source one")
+    assert len(compiled) == 4
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    assert nvrtc.Compiler(object(), Target(9, 0), blocked).cubin("k", "x") == b"cubin k sm_90 1"
+    assert nvrtc.Compiler(object(), Target(9, 0)).cubin("k", "x") == b"cubin k sm_90 1"   # no cache at all
+

@@ -146,22 +146,3 @@ def test_gpu_portable_path_uses_long_query_chunks_only_in_half_precision(rng, mo
     np.testing.assert_allclose(np.array(fn(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)),
                                np.array(paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)),
                                atol=1e-5)
-
-
-def test_cuda_engines_build_and_probe_no_kernel(monkeypatch):
-    """On an NVIDIA GPU the engine takes the GPU portable path at once: no kernel is built, probed or timed."""
-    import types
-
-    from batchjob.engine import classifier
-    from batchjob.engine.types import EngineConfig, EngineError
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a kernel was built or probed on CUDA")
-
-    monkeypatch.setattr(classifier, "select_attention_backend", forbidden)
-    checkpoint = types.SimpleNamespace(device="cuda", dtype=mx.bfloat16)
-    name, reason, fn = classifier._select_attention(EngineConfig(), checkpoint)
-    assert name == "portable" and "cuda_kernels.md" in reason
-    assert fn.keywords["contiguous_kv"] is False
-    with pytest.raises(EngineError, match="attention_backend 'cuda' is gone"):
-        EngineConfig(attention_backend="cuda").validate()
