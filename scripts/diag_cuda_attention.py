@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 
-from benchlib.attention_cases import CASES
+from benchlib.attention_cases import CASES, case_batch
 from benchlib.timing import ms_per_call
 
 # name -> (new tokens per sequence, cached tokens per sequence, clips whose cached prefix the sequences share)
@@ -32,14 +32,10 @@ BATCHES = {"equal_8x2119": ([2119] * 8, [0] * 8, 0),
 
 def run_case(mx, engine, name, q_lens, cached, clips, heads, dtype, repeats):
     from batchjob.metal_backend import paged_attention
-    from batchjob.metal_backend.probe import make_ragged_batch
 
     hq, hkv, d = heads
     rng = np.random.default_rng(zlib.crc32(name.encode()))
-    b = make_ragged_batch(rng, q_lens, cached, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=16,
-                          dtype=dtype, shuffle_blocks=True,
-                          prefix_groups=[i * clips // len(q_lens) if clips else -1 for i in range(len(q_lens))],
-                          shared_blocks=min(cached) // 16 if clips else 0)
+    b = case_batch(rng, q_lens, cached, clips, heads, dtype, shuffle_blocks=True)
     scale = d ** -0.5
     new_kv = tuple(c.reshape(-1, hkv, d)[b.meta.slot_mapping] for c in (b.k_cache, b.v_cache))
     want = paged_attention(*[x.astype(mx.float32) for x in (b.q, b.k_cache, b.v_cache)], b.meta, scale)

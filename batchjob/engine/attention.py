@@ -127,19 +127,22 @@ def fused_qk_norm_rope(inner: nn.Module, qkv: mx.array | None) -> Callable[..., 
     return fused if qk_norm_rope_suits(qkv.dtype, qkv.shape[-1]) else None
 
 
+def _first_attention(language_model: nn.Module) -> nn.Module | None:
+    """mlx-vlm's attention module of the first decoder layer (under the paged wrapper if installed), or None."""
+    layers = language_model.model.layers
+    return getattr(layers[0].self_attn, "inner", layers[0].self_attn) if layers else None
+
+
 def decoder_heads(language_model: nn.Module) -> tuple[int, int, int]:
     """(q heads, kv heads, head size) of the decoder's attention."""
-    attn = language_model.model.layers[0].self_attn
-    attn = getattr(attn, "inner", attn)
+    attn = _first_attention(language_model)
     return attn.n_heads, attn.n_kv_heads, attn.head_dim
 
 
 def qk_norm_heads(language_model: nn.Module) -> tuple[int, int, int] | None:
     """(q heads, kv heads, head size) where the decoder normalises q and k per head before the rotary embedding
     (Qwen3), else None."""
-    layers = language_model.model.layers
-    attn = getattr(layers[0].self_attn, "inner", layers[0].self_attn) if layers else None
-    return (attn.n_heads, attn.n_kv_heads, attn.head_dim) if hasattr(attn, "q_norm") else None
+    return decoder_heads(language_model) if hasattr(_first_attention(language_model), "q_norm") else None
 
 
 def install_paged_attention(language_model: nn.Module) -> int:

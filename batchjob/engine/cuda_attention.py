@@ -35,7 +35,7 @@ import numpy as np
 
 from batchjob.metal_backend import paged_attention
 from batchjob.metal_backend.probe import make_ragged_batch
-from batchjob.metal_backend.selection import PROBE_TOLERANCE
+from batchjob.metal_backend.selection import probe_kernel
 
 from .hopper_kernel import ARCH, BLOCK_M, HEAD_DIMS, THREADS, TYPES, kernel_source
 from .nvrtc import compiler as nvrtc_compiler
@@ -149,25 +149,23 @@ PROBE_BATCHES = {"prefill": ([1, 16, 37, 5, 64, 150, 70], [31, 0, 32, 3, 16, 0, 
                  "decode": ([1, 1, 1, 1], [0, 15, 16, 70])}
 
 
+def _fp32_on_cpu(q, k_cache, v_cache, meta, scale) -> mx.array:
+    """The check's reference: the portable path in fp32 on the CPU (no cuDNN graph to build for the probe shapes)."""
+    with mx.stream(mx.cpu):
+        return paged_attention(*(x.astype(mx.float32) for x in (q, k_cache, v_cache)), meta, scale)
+
+
 def check_kernel(kernel: Callable[..., mx.array], dtype: mx.Dtype, heads: tuple[int, int, int],
                  block_size: int) -> str | None:
-    """None when `kernel` matches the portable path (in fp32, on the CPU) on the probe batches, else the problem."""
+    """None when `kernel` matches the portable path (in fp32, on the CPU) on the probe batches at the model's head
+    counts (`selection.probe_kernel`), else the problem."""
     hq, hkv, d = heads
     rng = np.random.default_rng(20261127)   # fixed: a failed check must be reproducible from its log line
-    tol = PROBE_TOLERANCE.get(dtype, 1e-2)
-    for label, (q_lens, cached) in PROBE_BATCHES.items():
-        b = make_ragged_batch(rng, q_lens, cached, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                              block_size=block_size, dtype=dtype)
-        scale = d ** -0.5
-        got = kernel(b.q, b.k_cache, b.v_cache, b.meta, scale).astype(mx.float32)
-        with mx.stream(mx.cpu):   # the reference in fp32 on the CPU: no cuDNN graph to build for these shapes
-            want = paged_attention(*(x.astype(mx.float32) for x in (b.q, b.k_cache, b.v_cache)), b.meta, scale)
-        if not mx.all(mx.isfinite(got)).item():
-            return f"the Hopper kernel gave non-finite values on the {label} probe"
-        err = mx.abs(got - want).max().item()
-        if err > tol:
-            return f"the Hopper kernel differs from the portable path on the {label} probe: {err:.3g} > {tol:g}"
-    return None
+    batches = {label: make_ragged_batch(rng, q_lens, cached, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                        block_size=block_size, dtype=dtype)
+               for label, (q_lens, cached) in PROBE_BATCHES.items()}
+    problem = probe_kernel(kernel, dtype, batches, reference=_fp32_on_cpu)
+    return None if problem is None else f"the Hopper {problem}"
 
 
 def select_hopper_attention(dtype: mx.Dtype, heads: tuple[int, int, int], block_size: int,
@@ -186,7 +184,8 @@ def select_hopper_attention(dtype: mx.Dtype, heads: tuple[int, int, int], block_
     kernel = HopperKernel(lambda name, source: nvrtc.cubin(name, source, ARCH))
     try:
         problem = check_kernel(kernel, dtype, heads, block_size)
-    except Exception as exc:   # NVRTC refused it, or the launch failed: the portable path still works
+    except Exception as exc:   # the probe batches could not be built: the portable path still works (a kernel
+        # that fails to compile or launch is reported by probe_kernel)
         problem = f"the Hopper kernel failed to build or run: {type(exc).__name__}: {str(exc)[:300]}"
     if problem is not None:
         log.warning("%s; using the portable path", problem)

@@ -65,10 +65,13 @@ def probe_batches(dtype: mx.Dtype):
     return {"decode": decode, "prefill": prefill}
 
 
-def probe_kernel(kernel: AttentionFn, dtype: mx.Dtype = mx.float16) -> str | None:
-    """None when `kernel` matches the portable path on every probe batch, else the reason it does not."""
+def probe_kernel(kernel: AttentionFn, dtype: mx.Dtype = mx.float16, batches: dict | None = None,
+                 reference: AttentionFn = paged_attention) -> str | None:
+    """None when `kernel` matches the portable path on every probe batch, else the reason it does not.
+    `batches`: label -> RaggedBatch (default `probe_batches(dtype)`); `reference`: the portable path as the
+    caller wants it computed (default: on the default device, in the batch's dtype)."""
     tol = PROBE_TOLERANCE.get(dtype, 1e-2)
-    for label, b in probe_batches(dtype).items():
+    for label, b in (probe_batches(dtype) if batches is None else batches).items():
         scale = b.q.shape[-1] ** -0.5
         try:
             got = kernel(b.q, b.k_cache, b.v_cache, b.meta, scale)
@@ -77,7 +80,7 @@ def probe_kernel(kernel: AttentionFn, dtype: mx.Dtype = mx.float16) -> str | Non
             return f"kernel raised on the {label} probe: {type(exc).__name__}: {exc}"
         if got.shape != b.q.shape or got.dtype != b.q.dtype:
             return f"kernel returned {got.shape} {got.dtype} on the {label} probe, expected {b.q.shape} {b.q.dtype}"
-        want = paged_attention(b.q, b.k_cache, b.v_cache, b.meta, scale)
+        want = reference(b.q, b.k_cache, b.v_cache, b.meta, scale)
         diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32))
         if not mx.all(mx.isfinite(got.astype(mx.float32))).item():
             return f"kernel returned non-finite values on the {label} probe"

@@ -37,19 +37,27 @@ def attention_cases(dtype, engine_attention, repeats: int, shape: dict, small: b
     return out
 
 
+def case_batch(rng, q_lens, cached, clips: int, heads: tuple[int, int, int], dtype, *, shuffle_blocks: bool,
+               block_size: int = 16):
+    """A case's batch over a paged cache: with `clips`, the sequences in equal runs share their clip's cached
+    prefix blocks, as a clip's followers do in the engine's pool."""
+    from batchjob.metal_backend.probe import make_ragged_batch
+
+    hq, hkv, d = heads
+    return make_ragged_batch(rng, q_lens, cached, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=block_size,
+                             dtype=dtype, shuffle_blocks=shuffle_blocks,
+                             prefix_groups=[i * clips // len(q_lens) if clips else -1 for i in range(len(q_lens))],
+                             shared_blocks=min(cached) // block_size if clips else 0)
+
+
 def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cached, clips: int) -> dict:
     import mlx.core as mx
 
     from batchjob.metal_backend import paged_attention
-    from batchjob.metal_backend.probe import make_ragged_batch
     from batchjob.metal_backend.attention_plan import AttentionPlan
 
     hq, hkv, d = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
-    block_size = 16
-    b = make_ragged_batch(rng, q_lens, cached, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=block_size,
-                          dtype=dtype, shuffle_blocks=False,
-                          prefix_groups=[i * clips // len(q_lens) if clips else -1 for i in range(len(q_lens))],
-                          shared_blocks=min(cached) // block_size if clips else 0)
+    b = case_batch(rng, q_lens, cached, clips, (hq, hkv, d), dtype, shuffle_blocks=False)
     scale = d ** -0.5
     row = {"flops": 4 * hq * d * sum(q * c + q * (q + 1) / 2 for q, c in zip(q_lens, cached))}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import os
 from pathlib import Path
 
@@ -157,3 +159,13 @@ def mlx_vlm_qwen3_tower():
         return tower
 
     return load
+
+
+@pytest.fixture(scope="session")
+def wheel_nvrtc():
+    """NVRTC from the nvidia-cuda-nvrtc-cu12 wheel (compiles our CUDA sources without a GPU), or a skip."""
+    spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("nvidia-cuda-nvrtc-cu12 is not installed (the test extra installs it on Linux x86-64)")
+    return ctypes.CDLL(str(Path(list(spec.submodule_search_locations)[0]) / "lib" / "libnvrtc.so.12"))
+

@@ -9,10 +9,7 @@ the layer hands the kernel the rotated q/k stack instead of a copy of q.
 """
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import types
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -28,17 +25,10 @@ from batchjob.metal_backend import paged_attention
 from batchjob.metal_backend.probe import make_ragged_batch
 
 
-def _wheel_nvrtc():
-    spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("nvidia-cuda-nvrtc-cu12 is not installed (the test extra installs it on Linux x86-64)")
-    return ctypes.CDLL(str(Path(list(spec.submodule_search_locations)[0]) / "lib" / "libnvrtc.so.12"))
-
-
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_the_kernel_compiles_for_hopper_in_every_dtype_and_head_size(dtype, d, rng):
-    lib = _wheel_nvrtc()
+def test_the_kernel_compiles_for_hopper_in_every_dtype_and_head_size(dtype, d, rng, wheel_nvrtc):
+    lib = wheel_nvrtc
     hkv = int(rng.integers(1, 9))
     hq, block_size = hkv * int(rng.integers(1, 9)), int(rng.choice([16, 32]))
     source, name = kernel_source(dtype, hq, hkv, d, block_size)
@@ -46,9 +36,9 @@ def test_the_kernel_compiles_for_hopper_in_every_dtype_and_head_size(dtype, d, r
     assert cubin[:4] == b"\x7fELF" and b"\x00" + name.encode() + b"\x00" in cubin
 
 
-def test_wgmma_needs_the_hopper_specific_target():
+def test_wgmma_needs_the_hopper_specific_target(wheel_nvrtc):
     """Why the selection asks for compute capability 9.x: the same source is refused for sm_90 and sm_80."""
-    lib = _wheel_nvrtc()
+    lib = wheel_nvrtc
     source, name = kernel_source(mx.bfloat16, 8, 2, 128, 16)
     for target in (Target(9, 0), Target(8, 0)):
         with pytest.raises(NvrtcError, match="wgmma"):

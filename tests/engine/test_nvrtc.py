@@ -8,7 +8,6 @@ at every start against the portable form (`check_qk_norm_rope`), and here throug
 """
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 from pathlib import Path
 
@@ -20,21 +19,13 @@ from batchjob.engine.cuda_fused import precompiled_kernel, precompiled_source
 from batchjob.engine.nvrtc import NvrtcError, Target, compile_cubin, load_nvrtc, loaded_library
 
 
-def _wheel_nvrtc():
-    spec = importlib.util.find_spec("nvidia.cuda_nvrtc")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("nvidia-cuda-nvrtc-cu12 is not installed (the test extra installs it on Linux x86-64)")
-    lib = Path(list(spec.submodule_search_locations)[0]) / "lib" / "libnvrtc.so.12"
-    return ctypes.CDLL(str(lib))
-
-
 PAIRS = [(mx.bfloat16, mx.bfloat16), (mx.bfloat16, mx.float32), (mx.float16, mx.float16), (mx.float16, mx.float32)]
 
 
 @pytest.mark.parametrize("target", [Target(8, 0), Target(9, 0)])
 @pytest.mark.parametrize("t,c", PAIRS)
-def test_the_kernel_compiles_header_free_for_every_dtype_pairing(t, c, target, rng):
-    lib = _wheel_nvrtc()
+def test_the_kernel_compiles_header_free_for_every_dtype_pairing(t, c, target, rng, wheel_nvrtc):
+    lib = wheel_nvrtc
     hq, hk = int(rng.integers(1, 65)), int(rng.integers(1, 9))
     d = int(rng.choice([64, 128, 256]))
     name = f"batchjob_qk_norm_rope_test_{hq}_{hk}_{d}"
@@ -43,8 +34,8 @@ def test_the_kernel_compiles_header_free_for_every_dtype_pairing(t, c, target, r
     assert cubin[:4] == b"\x7fELF" and b"\x00" + name.encode() + b"\x00" in cubin
 
 
-def test_a_compile_error_carries_the_compilers_log():
-    lib = _wheel_nvrtc()
+def test_a_compile_error_carries_the_compilers_log(wheel_nvrtc):
+    lib = wheel_nvrtc
     source = precompiled_source("k", mx.bfloat16, mx.bfloat16, 4, 2, 128).replace("rsqrtf", "no_such_function")
     with pytest.raises(NvrtcError, match="no_such_function"):
         compile_cubin(lib, source, "k", Target(9, 0))
