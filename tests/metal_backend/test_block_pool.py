@@ -259,7 +259,7 @@ def _derived_prompt(rng, tokens: list[int], media: list) -> tuple[list[int], lis
         elif change == 3:
             continue
         new_media.append((s, e, m))
-    if rng.random() < 0.3:
+    if new_tokens and rng.random() < 0.3:
         s = int(rng.integers(0, len(new_tokens)))
         new_media.append((s, s + int(rng.integers(1, 20)), "extra"))
     if rng.random() < 0.2:
