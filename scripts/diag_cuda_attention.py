@@ -17,6 +17,7 @@ import zlib
 import numpy as np
 
 from benchlib.attention_cases import CASES, case_batch
+from benchlib.flops import lm_attention_flops
 from benchlib.timing import ms_per_call
 
 # name -> (new tokens per sequence, cached tokens per sequence, clips whose cached prefix the sequences share)
@@ -40,7 +41,7 @@ def run_case(mx, engine, name, q_lens, cached, clips, heads, dtype, repeats):
     new_kv = tuple(c.reshape(-1, hkv, d)[b.meta.slot_mapping] for c in (b.k_cache, b.v_cache))
     want = paged_attention(*[x.astype(mx.float32) for x in (b.q, b.k_cache, b.v_cache)], b.meta, scale)
     row = {"q_lens": q_lens, "cached": cached, "clips": clips,
-           "flops": 4 * hq * d * sum(q * c + q * (q + 1) / 2 for q, c in zip(q_lens, cached))}
+           "flops": sum(lm_attention_flops(q, c, {"heads": hq, "head_dim": d}) for q, c in zip(q_lens, cached))}
     fns = {"portable": lambda: engine.portable(b.q, b.k_cache, b.v_cache, b.meta, scale, new_kv=new_kv),
            "kernel": lambda: engine.kernel(b.q, b.k_cache, b.v_cache, b.meta, scale),
            "engine": lambda: engine(b.q, b.k_cache, b.v_cache, b.meta, scale, new_kv=new_kv)}

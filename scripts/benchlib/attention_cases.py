@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from .flops import lm_attention_flops
 from .timing import ms_per_call
 
 # name -> (new tokens per sequence, cached tokens per sequence, clips whose cached prefix blocks the sequences
@@ -59,7 +60,7 @@ def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cache
     hq, hkv, d = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
     b = case_batch(rng, q_lens, cached, clips, (hq, hkv, d), dtype, shuffle_blocks=False)
     scale = d ** -0.5
-    row = {"flops": 4 * hq * d * sum(q * c + q * (q + 1) / 2 for q, c in zip(q_lens, cached))}
+    row = {"flops": sum(lm_attention_flops(q, c, {"heads": hq, "head_dim": d}) for q, c in zip(q_lens, cached))}
 
     def bench(fn):   # ten calls queued per sync, as a forward's layers queue them (a sync per call timed the
         return ms_per_call(fn, inner=10, repeats=repeats)   # launch-and-wait round trip of sub-ms calls instead)
