@@ -2,9 +2,11 @@
 """The Hopper paged attention kernel (engine/cuda_attention.py) against the engine's portable path, one layer.
 
 For each batch (bench_gpu's equal and ragged prefills and its attention cases, longer ragged prompts around
-`LONG_PROMPT`, small probe batches): the largest and mean error of the kernel and of the portable path in half
-precision against an fp32 reference (the portable path on fp32 copies of the same values), and the median time
-(ten calls per sync) of the portable path, the kernel, and the engine's choice between them (`HopperAttention`).
+`LONG_PROMPT`, questions over cached clips, small probe batches): the largest and mean error of the kernel and of
+the portable path in half precision against an fp32 reference (the portable path on fp32 copies of the same
+values), and the median time (ten calls per sync) of the portable path, the kernel, the engine's choice between
+them (`HopperAttention`), and one SDPA call over the batch padded to its longest query and context (bench_gpu's
+baseline for followers).
 
 Usage (an NVIDIA Hopper GPU): `python scripts/diag_cuda_attention.py [--heads 32 8 128] [--json F]`.
 """
@@ -24,6 +26,10 @@ from benchlib.timing import ms_per_call
 BATCHES = {"equal_8x2119": ([2119] * 8, [0] * 8, 0),
            "ragged_8": ([int(x) for x in np.linspace(839, 2119, 8)], [16] * 8, 1),
            **CASES,
+           # questions over cached clips in other counts than bench_gpu's (which one clip's 12 are, above)
+           "follower_1": ([40], [2100], 1), "follower_4": ([40] * 4, [2100] * 4, 1),
+           "follower_24": ([40] * 24, [2100] * 24, 1), "follower_3_clips": ([40] * 9, [2100] * 9, 3),
+           "follower_long_clip": ([40] * 12, [6000] * 12, 1),
            "ragged_3x4096": ([4096, 3000, 2000], [16] * 3, 1),
            "ragged_2x8192": ([8192, 6000], [16] * 2, 1),
            "equal_4x4096": ([4096] * 4, [0] * 4, 0),
@@ -54,6 +60,14 @@ def run_case(mx, engine, name, q_lens, cached, clips, heads, dtype, repeats):
         row[f"{tag}_ms"] = ms_per_call(fn, inner=10, repeats=repeats)
         row[f"{tag}_tflops"] = row["flops"] / row[f"{tag}_ms"] / 1e9
     row["engine_chose"] = "portable" if b.meta.plan_cache.get("hopper_prefers_portable") else "kernel"
+    lq, lc = max(q_lens), max(q + c for q, c in zip(q_lens, cached))
+    if len(q_lens) * hq * lq * lc <= 2 ** 31:   # the padded baseline's scores fit (the long prompts' would not)
+        qp, kp, vp = (mx.random.normal((len(q_lens), h, n, d)).astype(dtype) for h, n in ((hq, lq), (hkv, lc),
+                                                                                             (hkv, lc)))
+        row["sdpa_padded_ms"] = ms_per_call(lambda: mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=scale,
+                                                                                         mask="causal"),
+                                            inner=10, repeats=repeats)
+        row["engine_vs_padded"] = row["sdpa_padded_ms"] / row["engine_ms"]
     row["kernel_vs_portable"] = row["portable_ms"] / row["kernel_ms"]
     row["engine_vs_portable"] = row["portable_ms"] / row["engine_ms"]
     return row
@@ -79,13 +93,15 @@ def main(argv=None) -> int:
         return 2
     rows = {}
     print("| case | portable ms | kernel ms | kernel vs portable | engine chose | kernel TFLOP/s | "
-          "max err portable / kernel |")
-    print("|---|---|---|---|---|---|---|")
+          "max err portable / kernel | padded SDPA ms | engine vs padded |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.cases:
         rows[name] = r = run_case(mx, engine, name, *BATCHES[name], tuple(args.heads), dtype, args.repeats)
+        padded = (f"{r['sdpa_padded_ms']:.3f} | {r['engine_vs_padded']:.2f}x" if "sdpa_padded_ms" in r
+                  else "- | -")
         print(f"| {name} | {r['portable_ms']:.3f} | {r['kernel_ms']:.3f} | {r['kernel_vs_portable']:.2f}x | "
               f"{r['engine_chose']} | {r['kernel_tflops']:.0f} | {r['portable_max_err']:.1e} / "
-              f"{r['kernel_max_err']:.1e} |", flush=True)
+              f"{r['kernel_max_err']:.1e} | {padded} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"heads": args.heads, "dtype": args.dtype, "selection": why, "cases": rows}, f, indent=1)

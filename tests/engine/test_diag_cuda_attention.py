@@ -32,6 +32,7 @@ def test_diag_cuda_attention_smoke(tmp_path, monkeypatch):
     for row in rows.values():
         assert row["engine_chose"] == "kernel" and row["kernel_finite"] and row["portable_finite"]
         assert row["kernel_max_err"] < 1e-2 and row["kernel_ms"] > 0 and row["flops"] > 0
+        assert row["sdpa_padded_ms"] > 0 and row["engine_vs_padded"] > 0
 
 
 def test_diag_cuda_attention_says_why_without_a_hopper_gpu(capsys):
