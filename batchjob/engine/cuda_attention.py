@@ -11,16 +11,17 @@ The scheme is FlashAttention's, on `wgmma` (sm_90):
   `wgmma` reads (128-byte swizzle) and read by it through matrix descriptors;
 - the scores' softmax is online, in fp32 (exp2, the scale folded in), and the probabilities stay in registers as
   the A operand of their product with V;
-- V of a tile loads while its scores are computed, K of the next tile while the softmax and the product run.
+- the next tile's K and V load while this tile's are used (a ring of two in dynamic shared memory), through
+  addresses fixed per thread at the start (hopper_kernel.py says why that matters).
 
 A query row sees keys `< context_len - q_len + row + 1` (lower-right causal, as MLX's SDPA aligns it); tiles past
 a block's last visible key are skipped, and key rows past a context load as zeros.
 
 cuDNN stays faster on two shapes (docs/cuda_kernels.md has the figures), so `HopperAttention` hands them to the
-portable path: a batch of fresh prompts of one length (one SDPA call over views of the projection) and prompts
-longer than `LONG_PROMPT`. It is built header-free by NVRTC (engine/nvrtc.py) at start, checked against the
-portable path on probe batches at the model's head counts, and used only if it matches (`select_hopper_attention`).
-Other GPUs, and Hopper without NVRTC or on a failed check, run the portable path.
+portable path: a batch of fresh prompts of one length longer than `LONG_EQUAL_PROMPT` (one SDPA call over views of
+the projection) and any prompt longer than `LONG_PROMPT`. It is built header-free by NVRTC (engine/nvrtc.py) at
+start, checked against the portable path on probe batches at the model's head counts, and used only if it matches
+(`select_hopper_attention`). Other GPUs, and Hopper without NVRTC or on a failed check, run the portable path.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ from batchjob.metal_backend import paged_attention
 from batchjob.metal_backend.probe import make_ragged_batch
 from batchjob.metal_backend.selection import probe_kernel
 
-from .hopper_kernel import ARCH, BLOCK_M, HEAD_DIMS, THREADS, TYPES, kernel_source
+from .hopper_kernel import ARCH, BLOCK_M, HEAD_DIMS, THREADS, TYPES, kernel_source, shared_memory
 from .nvrtc import compiler as nvrtc_compiler
 
 log = logging.getLogger(__name__)
 
-LONG_PROMPT = 3072  # new tokens above which cuDNN's SDPA outruns the kernel (docs/cuda_kernels.md)
+# Measured cuts (docs/cuda_kernels.md): new tokens above which cuDNN's SDPA outruns the kernel
+LONG_PROMPT = 8192         # in any batch (gathers and several calls included on the portable side)
+LONG_EQUAL_PROMPT = 3072   # in a batch of fresh prompts all of that length (one SDPA call over views)
 
 def suits(dtype: mx.Dtype, hq: int, hkv: int, d: int) -> bool:
     """Half precision, a head size the kernel is written for, whole groups of q heads per kv head."""
@@ -72,12 +75,13 @@ def plan_tiles(cu_seqlens_q: np.ndarray, context_lens: np.ndarray, block_m: int 
 
 
 def prefers_portable(cu_seqlens_q: np.ndarray, context_lens: np.ndarray) -> bool:
-    """Whether cuDNN's SDPA beats the kernel on this forward: fresh prompts all of one length (one call over
-    views, nothing gathered) or a prompt longer than `LONG_PROMPT`."""
+    """Whether cuDNN's SDPA beats the kernel on this forward: fresh prompts all of one length over
+    `LONG_EQUAL_PROMPT` (one call over views, nothing gathered) or any prompt over `LONG_PROMPT`."""
     q_lens = np.diff(np.asarray(cu_seqlens_q, dtype=np.int64))
     cached = np.asarray(context_lens, dtype=np.int64) - q_lens
+    longest = q_lens.max(initial=0)
     equal_fresh = len(q_lens) > 0 and not cached.any() and (q_lens == q_lens[0]).all()
-    return bool(equal_fresh or q_lens.max(initial=0) > LONG_PROMPT)
+    return bool((equal_fresh and longest > LONG_EQUAL_PROMPT) or longest > LONG_PROMPT)
 
 
 class HopperKernel:
@@ -120,7 +124,8 @@ class HopperKernel:
                     tile_start, self._scales[scale]],
             output_shapes=[(tokens, hq, d)], output_dtypes=[q.dtype],
             scalars=[int(source.shape[1]), int(meta.block_tables.shape[1])],
-            grid=(count * THREADS, hq, 1), threadgroup=(THREADS, 1, 1), ensure_row_contiguous=True)
+            grid=(count * THREADS, hq, 1), threadgroup=(THREADS, 1, 1), shared_memory=shared_memory(d),
+            ensure_row_contiguous=True)
         return out
 
 
@@ -191,5 +196,5 @@ def select_hopper_attention(dtype: mx.Dtype, heads: tuple[int, int, int], block_
         log.warning("%s; using the portable path", problem)
         return None, problem
     return HopperAttention(kernel, portable), ("Hopper paged kernel (matched the portable path at start); cuDNN's "
-                                               "SDPA for equal fresh prompts and prompts over "
-                                               f"{LONG_PROMPT} tokens")
+                                               f"SDPA for equal fresh prompts over {LONG_EQUAL_PROMPT} tokens and "
+                                               f"prompts over {LONG_PROMPT}")

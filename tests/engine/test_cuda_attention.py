@@ -4,8 +4,9 @@ What the kernel computes is checked on Hopper at every engine start against the 
 (`check_kernel`) and in `scripts/diag_cuda_attention.py`'s results. Here: the source compiles with NVRTC's wheel
 for sm_90a in every dtype and head size the engine asks for; the tile plan covers every query row once; the
 kernel's tiling (key range, tile skipping, the edge mask, zero rows past a context, the online softmax) stated in
-NumPy equals dense attention; the routing between the kernel and cuDNN's SDPA; the selection and its fallbacks;
-the layer hands the kernel the rotated q/k stack instead of a copy of q.
+NumPy equals dense attention; its lean loads fetch what the general ones do; the routing between the kernel and
+cuDNN's SDPA; the selection and its fallbacks; the layer hands the kernel the rotated q/k stack instead of a copy
+of q.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import numpy as np
 import pytest
 
 from batchjob.engine import classifier, cuda_attention
-from batchjob.engine.cuda_attention import (LONG_PROMPT, HopperAttention, check_kernel, plan_tiles, prefers_portable,
-                                            select_hopper_attention)
-from batchjob.engine.hopper_kernel import ARCH, BLOCK_M, BLOCK_N, HEAD_DIMS, kernel_source
+from batchjob.engine.cuda_attention import (LONG_EQUAL_PROMPT, LONG_PROMPT, HopperAttention, check_kernel, plan_tiles,
+                                            prefers_portable, select_hopper_attention)
+from batchjob.engine.hopper_kernel import (ARCH, BLOCK_M, BLOCK_N, HEAD_DIMS, THREADS, kernel_source, lean_loads,
+                                           shared_memory)
 from batchjob.engine.nvrtc import Compiler, NvrtcError, Target, compile_cubin
 from batchjob.engine.types import EngineConfig, EngineError
 from batchjob.metal_backend import paged_attention
@@ -60,12 +62,15 @@ def test_the_kernels_wgmmas_stay_asynchronous_and_nothing_spills(dtype, rng, whe
     scores) unless an instruction writes a register a wgmma of the stage reads or reads one it writes before the
     wait: then it serialises them or injects waits itself, saying so only in its report (notices C7513, C7517).
     An edit that does so, or that makes registers spill, still passes the start-up check and only shows as a
-    slower kernel."""
+    slower kernel. Nor would one that no longer lets three blocks share an SM."""
     hkv = int(rng.integers(1, 9))
     source, _ = kernel_source(dtype, hkv * int(rng.integers(1, 9)), hkv, 128, int(rng.choice([16, 32])))
     report = _ptxas_report(wheel_nvrtc, source)
     assert not re.search(r"\(C75\d\d\)", report), report   # C7513 serialised, C7517 a wait injected, ...
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    # three blocks an SM, as measured: registers (allocated 8 a thread at a time) and the rings both fit three times
+    registers = -(-int(re.search(r"Used (\d+) registers", report).group(1)) // 8) * 8
+    assert 3 * registers * THREADS <= 65536 and 3 * shared_memory(128) <= 227 * 1024, report
 
 
 def test_wgmma_needs_the_hopper_specific_target(wheel_nvrtc):
@@ -75,6 +80,63 @@ def test_wgmma_needs_the_hopper_specific_target(wheel_nvrtc):
     for target in (Target(9, 0), Target(8, 0)):
         with pytest.raises(NvrtcError, match="wgmma"):
             compile_cubin(lib, source, name, target)
+
+
+def _tiled(row, d8):
+    """hopper_kernel's `tiled`: a (key row, 8-column group)'s element offset in a swizzled tile."""
+    return (d8 >> 3) * (BLOCK_N * 64) + row * 64 + (((d8 & 7) ^ (row & 7)) * 8)
+
+
+def _tile_loads(lean: bool, kstart: int, ctx: int, table, bs: int, hkv: int, kvh: int, d: int = 128) -> dict:
+    """Every 16-byte load a block issues for one K (or V) tile, as {shared-memory offset: cache offset or None for
+    a zero-filled row}, in either form of the kernel's loader, with its index expressions."""
+    dt, loads = d // 8, {}
+    for t in range(THREADS):
+        if not lean:
+            for i in range(BLOCK_N * dt // THREADS):
+                c = t + i * THREADS
+                d8, row = c % dt, c // dt
+                key = kstart + row
+                live = key < ctx
+                block = table[key // bs] if live else 0
+                src = ((block * bs + (key % bs if live else 0)) * hkv + kvh) * d + d8 * 8
+                loads[_tiled(row, d8)] = src if live else None
+            continue
+        d8, row0 = t % dt, t // dt
+        rpp, span = THREADS // dt, min(bs, BLOCK_N)
+        chunk, dst0 = (row0 * hkv + kvh) * d + d8 * 8, _tiled(row0, d8)
+        for j in range(BLOCK_N // span):
+            first = kstart + j * span
+            base = table[first // bs] * (bs * hkv * d) + (first % bs) * (hkv * d) if first < ctx else 0
+            for r in range(span // rpp):
+                live = first + r * rpp + row0 < ctx
+                loads[dst0 + (j * span + r * rpp) * 64] = base + chunk + r * rpp * hkv * d if live else None
+    return loads
+
+
+@pytest.mark.parametrize("bs", [8, 16, 32, 64, 128, 256])
+def test_the_lean_loads_fetch_what_the_general_ones_do(bs, rng):
+    """The lean loader (per-thread offsets fixed at the start, one table read per cache block of a tile) against
+    the general one (a table read and an address per row) on random tiles, contexts and block tables: the same
+    cache rows into the same swizzled places, the same rows zero-filled past the context, every chunk once."""
+    assert lean_loads(128, bs)
+    hkv = int(rng.integers(1, 9))
+    for _ in range(6):
+        ctx = int(rng.integers(1, 700))
+        blocks = -(-ctx // bs)
+        table = rng.permutation(blocks + 5)[:blocks]
+        kstart = int(rng.integers(0, -(-ctx // BLOCK_N))) * BLOCK_N
+        kvh = int(rng.integers(0, hkv))
+        lean = _tile_loads(True, kstart, ctx, table, bs, hkv, kvh)
+        assert len(lean) == BLOCK_N * 128 // 8   # every 16-byte chunk of the tile once
+        assert lean == _tile_loads(False, kstart, ctx, table, bs, hkv, kvh)
+
+
+def test_block_sizes_the_lean_loads_do_not_fit_keep_the_general_ones():
+    for bs in (1, 4, 12, 24, 48, 96):
+        assert not lean_loads(128, bs)
+        assert "#define LEAN_LOADS 0" in kernel_source(mx.bfloat16, 8, 2, 128, bs)[0]
+    assert "#define LEAN_LOADS 1" in kernel_source(mx.bfloat16, 8, 2, 128, 16)[0]
 
 
 EDGES = np.array([1, 2, 62, 63, 64, 65, 126, 127, 128, 129])   # lengths around the tiles' edges
@@ -164,13 +226,16 @@ def test_the_kernels_tiling_equals_dense_attention(rng):
             np.testing.assert_allclose(got[cu[s]:cu[s + 1]], want, rtol=1e-9, atol=1e-12)
 
 
-def test_cudnn_keeps_equal_fresh_prompts_and_long_ones():
+def test_cudnn_keeps_long_equal_fresh_prompts_and_long_ones():
     cu = lambda lens: np.concatenate([[0], np.cumsum(lens)])   # noqa: E731
-    assert prefers_portable(cu([2119] * 8), np.array([2119] * 8))               # one SDPA call over views
+    longer = LONG_EQUAL_PROMPT + 1
+    assert prefers_portable(cu([longer] * 4), np.array([longer] * 4))            # one SDPA call over views
+    assert not prefers_portable(cu([LONG_EQUAL_PROMPT] * 8), np.array([LONG_EQUAL_PROMPT] * 8))
+    assert not prefers_portable(cu([2119] * 8), np.array([2119] * 8))
     assert prefers_portable(cu([LONG_PROMPT + 1, 40]), np.array([LONG_PROMPT + 1, 2140]))
-    assert not prefers_portable(cu([2119, 2000]), np.array([2119, 2000]))        # ragged
+    assert not prefers_portable(cu([longer, 2000]), np.array([longer, 2000]))    # ragged
     assert not prefers_portable(cu([40] * 12), np.array([2140] * 12))            # followers over a cached clip
-    assert not prefers_portable(cu([2119, 2119]), np.array([2135, 2135]))        # equal, but over a cached block
+    assert not prefers_portable(cu([longer] * 2), np.array([longer + 16] * 2))  # equal, but over a cached block
     assert not prefers_portable(cu([LONG_PROMPT, 10]), np.array([LONG_PROMPT, 10]))
 
 
@@ -188,7 +253,7 @@ def test_the_engine_attention_routes_each_forward_once(rng):
     attention = HopperAttention(_Recorder("kernel", calls), _Recorder("portable", calls))
     shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=mx.float16)
     ragged = make_ragged_batch(rng, [5, 37, 20], [0, 16, 3], **shape)
-    equal = make_ragged_batch(rng, [9, 9, 9], [0, 0, 0], **shape)
+    equal = make_ragged_batch(rng, [LONG_EQUAL_PROMPT + 1] * 2, [0, 0], **shape)   # one SDPA call over views
     stack = mx.zeros((ragged.q.shape[0], 8, 64), dtype=mx.float16)
     for _ in range(3):   # three layers of one forward each
         attention(ragged.q, ragged.k_cache, ragged.v_cache, ragged.meta, 0.125, new_kv=None, q_rows=stack)
