@@ -376,11 +376,16 @@ def main() -> None:
         save(model_type, row)
         prefix = "" if model_type == "qwen2_5_vl" else f"{model_type}."
         report["figures"].update({prefix + k: v for k, v in figures(row, ceiling_mlx, ceiling_torch).items()})
+    # The ceiling read again at the end, for the record only (the figures keep the start's): every MFU and
+    # wall-vs-ideal figure divides by it, and readings on one GPU minutes apart have differed by 5%.
+    ceiling_end = mlx_matmul_ceiling(512 if args.smoke else 8192)
+    report["matmul_ceiling_tflops"]["mlx_at_end"] = ceiling_end / 1e12
     gpu = str(env.get("gpu", "gpu")).replace(" ", "-").replace("/", "-")
     path = out / f"{gpu}-{datetime.date.today().isoformat()}-{'-'.join(args.model)}-{stem}.json"
     benchlib.env.save_json(report, path)
     print(f"\n{env.get('gpu')}, {datetime.date.today()}, models {', '.join(args.model)}; ceilings MLX "
-          f"{ceiling_mlx / 1e12:.0f} / torch {ceiling_torch / 1e12:.0f} TFLOP/s\n| figure | value |\n|---|---|")
+          f"{ceiling_mlx / 1e12:.0f} (read again at the end: {ceiling_end / 1e12:.0f}) / torch "
+          f"{ceiling_torch / 1e12:.0f} TFLOP/s\n| figure | value |\n|---|---|")
     for k, v in report["figures"].items():
         print(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |")
     print(f"wrote {path}")

@@ -115,3 +115,5 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path):
     assert set(rows["qwen2_5_vl"]["vision_profile"]["block_kinds"]) == {"window_attention", "full_attention"}
     assert "bench_gpu.py --smoke" in report["environment"]["command"]
     assert (tmp_path / "partial-Lall-Vall.json").is_file()
+    ceilings = report["matmul_ceiling_tflops"]   # the start's reading divides the figures; the end's is recorded
+    assert ceilings["mlx"] > 0 and ceilings["mlx_at_end"] > 0
