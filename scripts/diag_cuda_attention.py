@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 
-from benchlib.attention_cases import CASES, case_batch
+from benchlib.attention_cases import CASES, case_batch, padded_batch
 from benchlib.flops import lm_attention_flops
 from benchlib.timing import ms_per_call
 
@@ -63,8 +63,7 @@ def run_case(mx, engine, name, q_lens, cached, clips, heads, dtype, repeats):
     row["engine_chose"] = "portable" if b.meta.plan_cache.get("hopper_prefers_portable") else "kernel"
     lq, lc = max(q_lens), max(q + c for q, c in zip(q_lens, cached))
     if len(q_lens) * hq * lq * lc <= 2 ** 31:   # the padded baseline's scores fit (the long prompts' would not)
-        qp, kp, vp = (mx.random.normal((len(q_lens), h, n, d)).astype(dtype) for h, n in ((hq, lq), (hkv, lc),
-                                                                                             (hkv, lc)))
+        qp, kp, vp = padded_batch(q_lens, cached, heads, dtype)
         row["sdpa_padded_ms"] = ms_per_call(lambda: mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=scale,
                                                                                          mask="causal"),
                                             inner=10, repeats=repeats)

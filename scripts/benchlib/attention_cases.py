@@ -51,6 +51,16 @@ def case_batch(rng, q_lens, cached, clips: int, heads: tuple[int, int, int], dty
                              shared_blocks=min(cached) // block_size if clips else 0)
 
 
+def padded_batch(q_lens, cached, heads: tuple[int, int, int], dtype):
+    """q, k, v `[sequences, heads, length, head_dim]` padded to the batch's longest query and context, random: the
+    inputs of the padded SDPA baseline (one call, K/V already gathered)."""
+    import mlx.core as mx
+
+    hq, hkv, d = heads
+    lq, lc = max(q_lens), max(q + c for q, c in zip(q_lens, cached))
+    return tuple(mx.random.normal((len(q_lens), h, n, d)).astype(dtype) for h, n in ((hq, lq), (hkv, lc), (hkv, lc)))
+
+
 def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cached, clips: int) -> dict:
     import mlx.core as mx
 
@@ -88,10 +98,7 @@ def _case(rng, dtype, engine_attention, repeats: int, shape: dict, q_lens, cache
             row["engine_attention_folded_calls"] = sum(c.key_slots is not None for c in plans[0].calls)
     except Exception as exc:
         row["engine_attention_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    lq, lc = max(q_lens), max(q + c for q, c in zip(q_lens, cached))
-    qp = mx.random.normal((len(q_lens), hq, lq, d)).astype(dtype)
-    kp = mx.random.normal((len(q_lens), hkv, lc, d)).astype(dtype)
-    vp = mx.random.normal((len(q_lens), hkv, lc, d)).astype(dtype)
+    qp, kp, vp = padded_batch(q_lens, cached, (hq, hkv, d), dtype)
     try:
         row["sdpa_padded_ms"] = bench(lambda: mx.fast.scaled_dot_product_attention(qp, kp, vp, scale=scale,
                                                                                    mask="causal"))
