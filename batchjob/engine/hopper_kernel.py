@@ -286,11 +286,16 @@ def shared_memory(d: int) -> int:
     return STAGES * 2 * BLOCK_N * d * 2 + 1024
 
 
+def _load_pass(d: int, block_size: int) -> tuple[int, int]:
+    """(rows of a tile one pass of the block's 16-byte loads covers, keys of a tile in one cache block): the
+    lean loads' `RPP` and `SPAN`."""
+    return THREADS // (d // 8), min(block_size, BLOCK_N)
+
+
 def lean_loads(d: int, block_size: int) -> bool:
     """Whether the kernel's loads take the lean form (module docstring): a pass of the block's 16-byte loads covers
     whole rows, a whole number of passes fits in a tile's share of a cache block, and tiles and cache blocks nest."""
-    rows_a_pass = THREADS // (d // 8)
-    span = min(block_size, BLOCK_N)
+    rows_a_pass, span = _load_pass(d, block_size)
     return THREADS % (d // 8) == 0 and span % rows_a_pass == 0 and max(block_size, BLOCK_N) % span == 0
 
 
@@ -300,9 +305,9 @@ def kernel_source(dtype: mx.Dtype, hq: int, hkv: int, d: int, block_size: int) -
     MLX 0.32's binding refuses float scalars."""
     mma_t, pack_t = TYPES[dtype]
     name = f"batchjob_hopper_paged_{mma_t}_{hq}_{hkv}_{d}_{block_size}"
+    rows_a_pass, span = _load_pass(d, block_size)
     defines = {"KERNEL_NAME": name, "HQ": hq, "HKV": hkv, "D": d, "BS": block_size, "BLOCK_M": BLOCK_M,
-               "STAGES": STAGES, "LEAN_LOADS": int(lean_loads(d, block_size)), "RPP": THREADS // (d // 8),
-               "SPAN": min(block_size, BLOCK_N),
+               "STAGES": STAGES, "LEAN_LOADS": int(lean_loads(d, block_size)), "RPP": rows_a_pass, "SPAN": span,
                "BLOCK_N": BLOCK_N, "PACK_T": f'"{pack_t}"', "INFINITY": "__int_as_float(0x7f800000)"}
     helpers = _wgmma_helper("wgmma_s", BLOCK_N, mma_t, 0) + _wgmma_helper("wgmma_o", d, mma_t, 1)
     return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _BODY.replace("WGMMA_HELPERS", helpers), name
