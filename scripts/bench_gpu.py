@@ -34,7 +34,7 @@ import numpy as np
 
 import benchlib.env
 from benchlib.attention_cases import attention_cases
-from benchlib.ceilings import median, mlx_matmul_ceiling, torch_matmul_ceiling
+from benchlib.ceilings import median, mlx_matmul_ceiling, mlx_matmul_ceiling_synced, torch_matmul_ceiling
 from benchlib.flops import request_flops, vision_flops_per_clip
 from benchlib.hf_baseline import transformers_baseline
 from benchlib.profile_lm import profile_lm
@@ -52,7 +52,7 @@ PROFILE = ("lm_forwards_per_prefill", "lm_layer_ms", "lm_layer_matmuls_share", "
            "lm_layer_other_share", "lm_outside_layers_share", "lm_host_build_share", "lm_host_syncs_in_layers",
            "vision_blocks_share", "vision_outside_blocks_share", "vision_other_share", "vision_host_syncs",
            "mlx_vlm_vision_host_syncs", "engine_steps", "engine_forward_share", "engine_vision_graph_host_s",
-           "engine_other_host_s")
+           "engine_other_host_s", "engine_between_steps_host_s")
 
 
 def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[dict, dict]:
@@ -279,6 +279,7 @@ def figures(row: dict, ceil_m: float, ceil_t: float) -> dict:
         "engine_forward_share": eng["timeline"]["forward_s"] / eng["timeline"]["wall_s"],
         "engine_vision_graph_host_s": eng["timeline"]["vision_graph_host_s"],
         "engine_other_host_s": eng["timeline"]["other_host_s"],
+        "engine_between_steps_host_s": eng["timeline"]["between_steps_host_s"],
         # the profile: what a layer / the tower spends where (shares of the measured whole)
         "lm_forwards_per_prefill": lm["engine_forwards"],
         "lm_layer_ms": lp["layer_ms"],
@@ -352,7 +353,8 @@ def main() -> None:
     print(f"# {env.get('gpu')} driver {env.get('driver')}, mlx {env['mlx']}, torch {env['torch']}", flush=True)
     ceiling_mlx = mlx_matmul_ceiling(512 if args.smoke else 8192)
     ceiling_torch = ceiling_mlx if args.smoke else torch_matmul_ceiling()
-    report["matmul_ceiling_tflops"] = {"mlx": ceiling_mlx / 1e12, "torch": ceiling_torch / 1e12}
+    report["matmul_ceiling_tflops"] = {"mlx": ceiling_mlx / 1e12, "torch": ceiling_torch / 1e12,
+                                       "mlx_synced": mlx_matmul_ceiling_synced(512 if args.smoke else 8192) / 1e12}
     import mlx.core as mx
     print(f"bf16 matmul ceiling: MLX {ceiling_mlx / 1e12:.0f} TFLOP/s, torch {ceiling_torch / 1e12:.0f}", flush=True)
     out = Path(args.out)
@@ -377,7 +379,7 @@ def main() -> None:
         prefix = "" if model_type == "qwen2_5_vl" else f"{model_type}."
         report["figures"].update({prefix + k: v for k, v in figures(row, ceiling_mlx, ceiling_torch).items()})
     # The ceiling read again at the end, for the record only (the figures keep the start's): every MFU and
-    # wall-vs-ideal figure divides by it, and readings on one GPU minutes apart have differed by 5%.
+    # wall-vs-ideal figure divides by it (synced readings on one GPU minutes apart differed by 5%).
     ceiling_end = mlx_matmul_ceiling(512 if args.smoke else 8192)
     report["matmul_ceiling_tflops"]["mlx_at_end"] = ceiling_end / 1e12
     gpu = str(env.get("gpu", "gpu")).replace(" ", "-").replace("/", "-")

@@ -20,7 +20,7 @@ from batchjob.metal_backend import AttentionMetadata, KVCache, write_kv
 
 from .cuda_fused import active as active_fused_kernels
 from .cuda_fused import qk_norm_rope_suits
-from .fused_ops import RotaryTables, rope_heads
+from .fused_ops import RotaryTables, linear_plus, rope_heads
 
 AttentionFn = Callable[..., mx.array]  # (q, k_cache, v_cache, meta, scale, *, new_kv=None) -> [T, Hq, D]
 
@@ -61,11 +61,13 @@ class PagedAttention(nn.Module):
         """mlx-vlm's decoder reads `layers[0].self_attn.rotary_emb`; keep that working through the wrapper."""
         return self.inner.rotary_emb
 
-    def __call__(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None):
+    def __call__(self, x, mask=None, cache=None, position_ids=None, position_embeddings=None, residual=None):
+        """The attention's output (`residual` plus it, where given: `decoder_layer.run_layer`)."""
         ctx = _CONTEXT
         if ctx is None:
-            return self.inner(x, mask=mask, cache=cache, position_ids=position_ids,
-                              position_embeddings=position_embeddings)
+            out = self.inner(x, mask=mask, cache=cache, position_ids=position_ids,
+                             position_embeddings=position_embeddings)
+            return out if residual is None else residual + out
         if position_embeddings is None:
             raise ValueError("paged attention needs precomputed M-RoPE (cos, sin); the engine's forward passes them")
         inner = self.inner
@@ -97,7 +99,7 @@ class PagedAttention(nn.Module):
         # The new K/V go along: sequences with nothing cached attend to them directly (no gather from the cache).
         out = ctx.attention(q, cache.k[layer], cache.v[layer], ctx.meta, inner.scale, new_kv=(k, v),
                             **attention_hints(ctx.attention, qk))
-        return inner.o_proj(out.reshape(1, num_tokens, -1))
+        return linear_plus(inner.o_proj, out.reshape(1, num_tokens, -1), residual)
 
 
 def rotate_qk(q: mx.array, k: mx.array, cos: mx.array, sin: mx.array, tables: RotaryTables | None,

@@ -2,8 +2,9 @@
 
 On NVIDIA GPUs the decoder layer's GEMMs run near the measured ceiling; what is left beyond them is passes over
 activations. In MLX the q/k norm is a row reduction over 128-wide rows (slow on its CUDA backend), a rounding
-to the input's dtype, then a rotary kernel: three passes over q and k. The kernel gives one warp a head row:
-the sum of squares by shuffles, the rotary partner half from the lane 16 away, one read and one write.
+to the input's dtype, then a rotary kernel: three passes over q and k. The kernel gives one warp a token: its
+head rows in turn, each read and written once as vectors, the sum of squares by shuffles, the rotary partner
+half from the lane 16 away; the token's rotary tables and the weights are read once for all its rows.
 (SwiGLU, the vision towers' rotary embedding and their norms were tried the same way and dropped:
 docs/cuda_kernels.md says what each measured.)
 
@@ -38,49 +39,80 @@ HALF_DTYPES = (mx.bfloat16, mx.float16)
 THREADS = 256
 
 _QK_NORM_ROPE = r"""
+    // One warp per token: its HQ + HK head rows in turn, with the rotary tables and the norms' weights read once
+    // for all of them. A lane holds E consecutive elements of a row (the rotary partner in the lane 16 away)
+    // and moves them as one vector; UNROLL rows are read before any is reduced, so each warp keeps that many
+    // reads in flight.
     constexpr int E = D / 32;
     constexpr int ROWS = HQ + HK;
-    const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    constexpr int UNROLL = 4;
+    constexpr int ALIGN = (int)(sizeof(T) * E) & -(int)(sizeof(T) * E);   // the largest power of two dividing it
+    struct alignas(ALIGN) Row { T v[E]; };
+    const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x & 31;
     const long long tokens = qkv_shape[0];
     const int heads = qkv_shape[1];
-    if (row >= tokens * ROWS) return;   // a warp's lanes share `row`: whole warps leave together
-    const long long t = row / ROWS;
-    const int h = (int)(row - t * ROWS);
-    const T* x = qkv + (t * heads + h) * D + lane * E;
-    const T* w = (h < HQ ? q_weight : k_weight) + lane * E;
-    const C* c = cos_table + t * D + lane * E;
-    const C* s = sin_table + t * D + lane * E;
-    float v[E];
-    float squares = 0.0f;
+    if (t >= tokens) return;   // a warp's lanes share `t`: whole warps leave together
+    float c[E], s[E], wq[E], wk[E];
     #pragma unroll
     for (int i = 0; i < E; ++i) {
-        v[i] = LOAD_T(x[i]);
-        squares += v[i] * v[i];
+        c[i] = LOAD_C(cos_table[t * D + lane * E + i]);
+        s[i] = LOAD_C(sin_table[t * D + lane * E + i]);
+        wq[i] = LOAD_T(q_weight[lane * E + i]);
+        wk[i] = LOAD_T(k_weight[lane * E + i]);
     }
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        squares += __shfl_xor_sync(0xffffffffu, squares, offset);
-    }
-    const float inv = rsqrtf(squares / D + eps[0]);
-    T* o = out + row * D + lane * E;
+    const float epsilon = eps[0];   // read once: the stores below could alias it as far as the compiler knows
+    const T* x = qkv + t * heads * D + lane * E;
+    T* o = out + t * ROWS * D + lane * E;
     constexpr bool ROUND_TABLES = sizeof(C) == sizeof(T);
-    #pragma unroll
-    for (int i = 0; i < E; ++i) {
-        const float normed = ROUND_T(v[i] * inv);
-        v[i] = ROUND_T(normed * LOAD_T(w[i]));
-    }
-    #pragma unroll
-    for (int i = 0; i < E; ++i) {
-        const float partner = __shfl_xor_sync(0xffffffffu, v[i], 16);   // element i + D/2 (or i - D/2)
-        const float rotated = lane < 16 ? -partner : partner;
-        float a = v[i] * LOAD_C(c[i]);
-        float b = rotated * LOAD_C(s[i]);
-        if (ROUND_TABLES) {
-            a = ROUND_T(a);
-            b = ROUND_T(b);
+    #pragma unroll 1
+    for (int h0 = 0; h0 < ROWS; h0 += UNROLL) {
+        float v[UNROLL][E];
+        float squares[UNROLL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            squares[u] = 0.0f;
+            if (h0 + u < ROWS) {
+                const Row r = *reinterpret_cast<const Row*>(x + (h0 + u) * D);
+                #pragma unroll
+                for (int i = 0; i < E; ++i) {
+                    v[u][i] = LOAD_T(r.v[i]);
+                    squares[u] += v[u][i] * v[u][i];
+                }
+            }
         }
-        o[i] = STORE_T(a + b);
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                squares[u] += __shfl_xor_sync(0xffffffffu, squares[u], offset);
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int h = h0 + u;
+            if (h >= ROWS) break;   // uniform across the warp: the shuffles below see every lane
+            const float inv = rsqrtf(squares[u] / D + epsilon);
+            Row r;
+            #pragma unroll
+            for (int i = 0; i < E; ++i) {
+                const float normed = ROUND_T(v[u][i] * inv);
+                v[u][i] = ROUND_T(normed * (h < HQ ? wq[i] : wk[i]));
+            }
+            #pragma unroll
+            for (int i = 0; i < E; ++i) {
+                const float partner = __shfl_xor_sync(0xffffffffu, v[u][i], 16);   // element i + D/2 (or i - D/2)
+                const float rotated = lane < 16 ? -partner : partner;
+                float a = v[u][i] * c[i];
+                float b = rotated * s[i];
+                if (ROUND_TABLES) {
+                    a = ROUND_T(a);
+                    b = ROUND_T(b);
+                }
+                r.v[i] = STORE_T(a + b);
+            }
+            *reinterpret_cast<Row*>(o + h * D) = r;
+        }
     }
 """
 
@@ -219,7 +251,7 @@ def qk_norm_rope_with(kernel) -> Callable[..., mx.array]:
         eps = eps_arrays.setdefault(q_norm.eps, mx.array([q_norm.eps], dtype=mx.float32))
         (out,) = kernel(inputs=[qkv, q_norm.weight.astype(qkv.dtype), k_norm.weight.astype(qkv.dtype), cos, sin, eps],
                         template=[("T", qkv.dtype), ("C", cos.dtype), ("HQ", hq), ("HK", hkv), ("D", d)],
-                        grid=(tokens * (hq + hkv) * 32, 1, 1), threadgroup=(THREADS, 1, 1),
+                        grid=(tokens * 32, 1, 1), threadgroup=(THREADS, 1, 1),
                         output_shapes=[(tokens, hq + hkv, d)], output_dtypes=[qkv.dtype])
         return out
 

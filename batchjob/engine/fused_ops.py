@@ -76,6 +76,27 @@ def rope_heads(x: mx.array, count: int, cos: mx.array, sin: mx.array,
     return rope_pairs(x.reshape(tokens, -1, 2, d // 2)[:, :count], tables).reshape(tokens, count, d)
 
 
+# Whether `linear_plus` adds the residual inside the GEMM (`mx.addmm`) rather than as a pass of its own.
+RESIDUAL_IN_GEMM = True
+
+
+def folds_residual(linear: nn.Module) -> bool:
+    """Whether `linear_plus` adds a residual inside this projection's GEMM."""
+    return RESIDUAL_IN_GEMM and type(linear) is nn.Linear and "bias" not in linear
+
+
+def linear_plus(linear: nn.Module, x: mx.array, residual: mx.array | None) -> mx.array:
+    """`residual + linear(x)` (just `linear(x)` without a residual). For a plain bias-free `nn.Linear` the sum is
+    the GEMM's own epilogue (`mx.addmm`, rounded once), instead of a separate pass that reads the projection's
+    output and the residual and writes their sum; quantized or biased projections keep the separate add."""
+    if residual is None:
+        return linear(x)
+    if folds_residual(linear) and x.ndim >= 2:
+        flat = x.reshape(-1, x.shape[-1])
+        return mx.addmm(residual.reshape(flat.shape[0], -1), flat, linear.weight.T).reshape(residual.shape)
+    return residual + linear(x)
+
+
 @mx.compile
 def swiglu_halves(gate_up: mx.array) -> mx.array:
     """`silu(gate) * up` for gate and up stacked on the last axis (one GEMM's output)."""

@@ -19,6 +19,7 @@ import numpy as np
 from batchjob.metal_backend import KVCache, build_attention_metadata
 
 from .attention import AttentionContext, AttentionFn, attention_context
+from .decoder_layer import run_layer
 from .fused_ops import pairs_suit, split_tables
 from .scheduler import ScheduledSlice
 from .video_features import FeatureRows
@@ -100,7 +101,7 @@ def forward(
     queued: deque = deque()
     with attention_context(AttentionContext(meta, kv_cache, attention, tables)):
         for i, layer in enumerate(lm.model.layers):
-            h = layer(h, None, None, None, position_embeddings)
+            h = run_layer(layer, h, position_embeddings)
             if video is not None and i < num_deepstack:
                 width = h.shape[-1]
                 h = h.at[:, video.token_index].add(video.rows[None, :, width * (i + 1):width * (i + 2)].astype(h.dtype))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .fused_ops import swiglu_halves
+from .fused_ops import linear_plus, swiglu_halves
 
 GEMM_TILE = 128
 
@@ -43,8 +43,9 @@ class FusedGatedMLP(nn.Module):
         if "bias" in down:
             self.down.bias = down.bias
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down(swiglu_halves(self.gate_up(x)))
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """The MLP's output, plus `residual` where given (added by the down projection's GEMM: `linear_plus`)."""
+        return linear_plus(self.down, swiglu_halves(self.gate_up(x)), residual)
 
 
 def fuse_gated_mlps(blocks) -> int:

@@ -103,7 +103,8 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
     from batchjob.engine import runner
     from batchjob.engine.attention import (AttentionContext, attention_context, attention_hints, fused_qk_norm_rope,
                                             rotate_qk)
-    from batchjob.engine.fused_ops import pairs_suit, split_tables, swiglu_halves
+    from batchjob.engine.decoder_layer import run_layer
+    from batchjob.engine.fused_ops import folds_residual, linear_plus, pairs_suit, split_tables, swiglu_halves
     from batchjob.metal_backend import write_kv
     from batchjob.metal_backend.attention_plan import AttentionPlan
 
@@ -168,13 +169,17 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
         if plans:
             out["sdpa_calls_per_layer"] = plans[0].num_calls
         a = clf._attention(q, cache.k[0], cache.v[0], meta, attn.scale, new_kv=(k, v), **hints).reshape(1, t, -1)
-        steps["o_proj"] = time_(lambda: attn.o_proj(a))
-        h1 = x + attn.o_proj(a)
+        # the output projection and the MLP's down projection as the layer runs them: with the residual added in
+        # the GEMM where linear_plus folds it there; only the adds it does not fold are timed as passes of their own
+        mlp = layer.mlp
+        o_folds, down_folds = folds_residual(attn.o_proj), hasattr(mlp, "gate_up") and folds_residual(mlp.down)
+        steps["o_proj"] = time_(lambda: linear_plus(attn.o_proj, a, x if o_folds else None))
+        h1 = linear_plus(attn.o_proj, a, x)
         hn = layer.post_attention_layernorm(h1)
         mx.eval(h1, hn)
         steps["post_norm"] = time_(lambda: layer.post_attention_layernorm(h1))
-        steps["residual_adds"] = 2 * time_(lambda: x + h1)
-        mlp = layer.mlp
+        if not (o_folds and down_folds):
+            steps["residual_adds"] = (2 - o_folds - down_folds) * time_(lambda: x + h1)
         if hasattr(mlp, "gate_up"):
             steps["mlp_gate_up"] = time_(lambda: mlp.gate_up(hn))
             gu = mlp.gate_up(hn)
@@ -182,12 +187,12 @@ def _layer_steps(clf, batch, video, meta, out: dict, *, inner: int, repeats: int
             steps["mlp_act"] = time_(lambda: swiglu_halves(gu))
             act = swiglu_halves(gu)
             mx.eval(act)
-            steps["mlp_down"] = time_(lambda: mlp.down(act))
+            steps["mlp_down"] = time_(lambda: linear_plus(mlp.down, act, h1 if down_folds else None))
             del gu, act
         else:   # a MoE block (or unfused MLP): timed whole, as matmuls
             steps["mlp_gate_up"] = time_(lambda: mlp(hn))
         num_layers = len(lm.model.layers)
-        whole = time_(_cycling_cache_layers(layer, num_layers, lambda: layer(x, None, None, None, (cos, sin))))
+        whole = time_(_cycling_cache_layers(layer, num_layers, lambda: run_layer(layer, x, (cos, sin))))
     out["steps_ms"] = steps
     out["layer_ms"] = whole
     return whole

@@ -111,9 +111,12 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path):
         tl = row["engine"]["timeline"]   # the step timeline: one entry per step, device work a share of the run
         assert tl["steps"] == len(tl["tokens_per_step"]) >= 1 and 0 < figures[
             ("" if model_type == "qwen2_5_vl" else "qwen3_vl.") + "engine_forward_share"] <= 1
+        # the device idles between steps (from a forward's end to the next step's vision graphs): within the rest
+        assert len(tl["between_steps_host_s_per_step"]) == tl["steps"] - 1
+        assert 0 <= tl["between_steps_host_s"] <= tl["other_host_s"] + 1e-9
     assert "position_embedding" in rows["qwen3_vl"]["vision_profile"]["steps_ms"]
     assert set(rows["qwen2_5_vl"]["vision_profile"]["block_kinds"]) == {"window_attention", "full_attention"}
     assert "bench_gpu.py --smoke" in report["environment"]["command"]
     assert (tmp_path / "partial-Lall-Vall.json").is_file()
     ceilings = report["matmul_ceiling_tflops"]   # the start's reading divides the figures; the end's is recorded
-    assert ceilings["mlx"] > 0 and ceilings["mlx_at_end"] > 0
+    assert ceilings["mlx"] > 0 and ceilings["mlx_at_end"] > 0 and ceilings["mlx_synced"] > 0

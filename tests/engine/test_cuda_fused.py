@@ -31,7 +31,7 @@ def emulated_kernel(faults: tuple[str, ...] = ()):
         args = dict(template)
         hq, hk, d, dtype = args["HQ"], args["HK"], args["D"], args["T"]
         rows = hq + hk
-        assert grid == (qkv.shape[0] * rows * 32, 1, 1) and threadgroup[0] % 32 == 0
+        assert grid == (qkv.shape[0] * 32, 1, 1) and threadgroup[0] % 32 == 0   # a warp per token
         assert output_shapes == [(qkv.shape[0], rows, d)] and qkv.shape[2] == d
         rnd = lambda a: _f32(mx.array(a.astype(np.float32)).astype(dtype))  # noqa: E731
         x = _f32(qkv)[:, :rows]

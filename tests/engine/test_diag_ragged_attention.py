@@ -3,7 +3,8 @@ shapes) and report what the GPU results quote: scripts/diag_ragged_attention.py 
 attention, the word gathers bit-identical to plain ones), scripts/diag_classify_overhead.py (an engine call against
 its forward alone, call by call, with fixed and with varying prompt lengths, attention shapes bucketed or exact) and
 scripts/diag_shape_costs.py (each op of a layer on its first call at a new size against the same call again),
-scripts/diag_varied_forward.py (a fresh batch's forward against the same forward again, split at its evals)."""
+scripts/diag_varied_forward.py (a fresh batch's forward against the same forward again, split at its evals),
+scripts/diag_lm_layer.py (the decoder layer's variants in alternating rounds)."""
 from __future__ import annotations
 
 import json
@@ -63,3 +64,19 @@ def test_diag_varied_forward_smoke(tmp_path):
             assert f["total"] >= f["eval"] > 0 and abs(f["total"] - f["build"] - f["eval"]) < 1e-6
             assert f["evals"] >= 1 and f["peak_gb"] > 0
         assert report[name]["median"]["first_total_ms"] == batch["first"]["total"]
+
+
+def test_diag_lm_layer_smoke(tmp_path):
+    """The layer variants' A/B (scripts/diag_lm_layer.py): each variant's forward and layer for both batches,
+    with the residual adds timed as passes only where the variant keeps them."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "diag_lm_layer.py"), "--smoke", "--model",
+                           "qwen3_vl", "--rounds", "1", "--inner", "1", "--repeats", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads((tmp_path / "diag-lm-layer.json").read_text())["qwen3_vl"]
+    assert set(row["variants"]) == {"adds", "in_gemm", "portable_qk"}
+    for name, by_batch in row["variants"].items():
+        assert set(by_batch) == {"equal", "ragged"}
+        for v in by_batch.values():
+            assert v["forward_ms"] > 0 and v["layer_ms"] > 0
+            assert ("residual_adds" in v["steps_ms"]) == (name == "adds"), name
