@@ -4,8 +4,9 @@ bench_gpu's LM prefill of a ragged batch (eight prompts of different lengths, th
 computed) took 35-56 ms more per `classify` call than the same forward repeated alone, and its median moved by
 10% from machine to machine. This builds bench_gpu's model (random weights in the published shape), then runs
 `--calls` calls of the equal batch and of the ragged batch in turn, each under fresh media ids, timing in every
-call: preparing the requests, scheduling, the vision rows, the forward (graph build to logits on the host), and
-the rest; Python's garbage collections during the call are counted. The forward alone, repeated over one
+call: preparing the requests, scheduling, the vision rows, the forward (graph build to logits on the host), the
+results, the scheduler's bookkeeping after the step, releasing the clips' features (a clip's tail kept), and the
+rest; Python's garbage collections during the call are counted. The forward alone, repeated over one
 scheduled batch, is the reference. `--gc-off`: the same with the collector disabled. `--vary`: each call's
 questions a few words longer or shorter (as a job's calls are), so every call meets shapes it has not seen
 (cuDNN graphs, compiled kernels, GEMM plans are cached per shape). `--buckets N`: the attention's calls padded to
@@ -27,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib.workload import add_diag_arguments  # noqa: E402
 
-PHASES = ("prepare", "schedule", "video_rows", "forward")
+PHASES = ("prepare", "schedule", "video_rows", "forward", "results", "finish_step", "release_features")
 
 
 def main() -> None:
@@ -69,7 +70,10 @@ def main() -> None:
     clf._prepare = timed("prepare", clf._prepare)
     clf._video_rows = timed("video_rows", clf._video_rows)
     Scheduler.schedule = timed("schedule", Scheduler.schedule)
+    Scheduler.finish_step = timed("finish_step", Scheduler.finish_step)
     classifier_module.forward = timed("forward", classifier_module.forward)
+    classifier_module._result = timed("results", classifier_module._result)
+    clf._features.release_clip = timed("release_features", clf._features.release_clip)
     if a.gc_off:
         gc.disable()
     report: dict = {"model": a.model, "gc_off": a.gc_off, "vary": a.vary, "calls": a.calls, "buckets": buckets}

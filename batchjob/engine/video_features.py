@@ -69,9 +69,12 @@ class VideoFeatureCache:
             return
         first = max(0, first_row)
         if first < full.rows.shape[0]:
-            # Through the host, so the tail is a copy: an MLX slice would keep the whole matrix alive.
-            rows = full.rows[first:]
-            tail = mx.array(np.array(rows.astype(mx.float32))).astype(rows.dtype)
+            # A copy of its own on the device: a slice would keep the whole matrix alive. `mx.contiguous` copies a
+            # slice of a much larger buffer (MLX shares the buffer only when it is about the slice's size), and the
+            # copy is started, not waited for (a round trip through the host cost a sync per clip); the matrix is
+            # freed once the copy has run.
+            tail = mx.contiguous(full.rows[first:])
+            mx.async_eval(tail)
             self._tails[key] = FeatureRows(first, tail)
             self._tails.move_to_end(key)
             while len(self._tails) > self.max_tails:

@@ -40,7 +40,9 @@ def test_diag_classify_overhead_smoke(tmp_path):
     for name in ("equal", "ragged"):
         (call,) = report[name]["calls_ms"]
         assert call["total"] >= call["forward"] > 0 and call["prepare"] > 0
-        assert abs(call["total"] - sum(call[k] for k in ("prepare", "schedule", "video_rows", "forward", "rest"))) < 1e-6
+        phases = ("prepare", "schedule", "video_rows", "forward", "results", "finish_step", "release_features")
+        assert abs(call["total"] - sum(call[k] for k in (*phases, "rest"))) < 1e-6
+        assert call["results"] > 0 and call["finish_step"] > 0 and call["release_features"] > 0
         assert report[name]["forward_alone_median_ms"] > 0
 
 

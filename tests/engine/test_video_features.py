@@ -50,3 +50,26 @@ def test_keeps_whole_clip_then_tail_then_evicts_lru(rng):
     cache.put_clip("e", features[:6])
     _release(cache, "e", (10, 16), keep_tail=True)  # video ends on a block boundary: nothing to keep
     assert cache.get("e", 5, 6) is None
+
+
+def test_a_kept_tail_holds_its_own_rows_not_the_clips_matrix(rng):
+    """The tail is a copy on the device: once the clip's matrix has no other holder its memory is freed (a slice
+    would keep the whole matrix alive for as long as the tail stays cached), and the tail's values are the rows'."""
+    import gc
+
+    gc.collect()
+    base = mx.get_active_memory()
+    cache = VideoFeatureCache(block_size=16)
+    rows = int(rng.integers(2000, 4000))
+    features = mx.array(rng.standard_normal((rows, 512)).astype(np.float32)).astype(mx.bfloat16)   # 2-4 MB
+    mx.eval(features)
+    want = np.array(features[-9:].astype(mx.float32))
+    cache.put_clip("a", features)
+    del features
+    cache.release_clip("a", rows - 9, keep_tail=True)
+    tail = cache.get("a", rows - 9, rows)
+    assert tail is not None and tail.first_row == rows - 9
+    np.testing.assert_array_equal(np.array(tail.slice(rows - 9, rows).astype(mx.float32)), want)
+    gc.collect()
+    held = mx.get_active_memory() - base
+    assert held < 64 * 1024, held   # the tail's 9 rows (9 KB) and not the matrix (megabytes)
