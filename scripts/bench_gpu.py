@@ -379,7 +379,7 @@ def main() -> None:
         prefix = "" if model_type == "qwen2_5_vl" else f"{model_type}."
         report["figures"].update({prefix + k: v for k, v in figures(row, ceiling_mlx, ceiling_torch).items()})
     # The ceiling read again at the end, for the record only (the figures keep the start's): every MFU and
-    # wall-vs-ideal figure divides by it (synced readings on one GPU minutes apart differed by 5%).
+    # wall-vs-ideal figure divides by it, and readings differ between machines and, less, within one.
     ceiling_end = mlx_matmul_ceiling(512 if args.smoke else 8192)
     report["matmul_ceiling_tflops"]["mlx_at_end"] = ceiling_end / 1e12
     gpu = str(env.get("gpu", "gpu")).replace(" ", "-").replace("/", "-")

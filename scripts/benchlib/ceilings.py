@@ -12,8 +12,8 @@ def median(xs) -> float:
 def mlx_matmul_ceiling(n: int = 8192, reps: int = 5, inner: int = 10) -> float:
     """FLOP/s of an n x n x n bf16 matmul in MLX on its default device: `inner` matmuls queued per sync (as a
     forward's GEMMs run, back to back), the median of `reps` such runs after a warm-up long enough for the clocks
-    to settle. Why queued: one sync per matmul charges each its launch and the host's wake-up, and those readings
-    moved by 5% between runs on one GPU, below the rate the model's own GEMMs then reached."""
+    to settle. Why queued: one sync per matmul charges each its launch and the host's wake-up, so those readings
+    moved from run to run on one GPU more than queued ones do (docs/gpu_run.md has the figures)."""
     import mlx.core as mx
 
     a = mx.random.normal((n, n)).astype(mx.bfloat16)
