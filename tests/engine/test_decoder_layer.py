@@ -75,12 +75,15 @@ def test_what_it_leaves_to_a_separate_add(case, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["qwen2_vl-gqa", "qwen2_5_vl-mha", "qwen3_vl", "qwen3_vl_moe"])
-def test_run_layer_equals_mlx_vlms_layer(name, tiny_classifier, rng, monkeypatch):
+def test_run_layer_equals_mlx_vlms_layer(name, checkpoint_dir, rng, monkeypatch):
     """Each layer of each family inside a paged forward's context, on random hidden states and positions: the
     engine's layer (residuals added in the GEMMs where they can be) gives mlx-vlm's layer's output (the same
     wrapped attention, its own adds) to fp32 rounding. The output projection and a dense MLP's down projection
-    take their residuals; the MoE block's add stays a pass of its own."""
-    clf = tiny_classifier(name)
+    take their residuals; the MoE block's add stays a pass of its own. A classifier of its own: the layers write
+    KV blocks the pool has not handed out, which a shared classifier's cached prefixes may hold."""
+    from batchjob.engine import Classifier, EngineConfig
+
+    clf = Classifier.from_pretrained(checkpoint_dir(name), EngineConfig(max_model_len=2048, memory_budget_gb=1.0))
     layers = clf.checkpoint.model.language_model.model.layers
     assert all(isinstance(layer.self_attn, PagedAttention) for layer in layers)
     calls = _counting_addmm(monkeypatch)
