@@ -9,17 +9,17 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
-def mlx_matmul_ceiling(n: int = 8192, reps: int = 5, inner: int = 10) -> float:
+def mlx_matmul_ceiling(n: int = 8192, reps: int = 5, inner: int = 10, warmup: int = 4) -> float:
     """FLOP/s of an n x n x n bf16 matmul in MLX on its default device: `inner` matmuls queued per sync (as a
-    forward's GEMMs run, back to back), the median of `reps` such runs after a warm-up long enough for the clocks
-    to settle. Why queued: one sync per matmul charges each its launch and the host's wake-up, so those readings
-    moved from run to run on one GPU more than queued ones do (docs/gpu_run.md has the figures)."""
+    forward's GEMMs run, back to back), the median of `reps` such runs after `warmup` of them, long enough for the
+    clocks to settle. Why queued: one sync per matmul charges each its launch and the host's wake-up, so those
+    readings moved from run to run on one GPU more than queued ones do (docs/gpu_run.md has the figures)."""
     import mlx.core as mx
 
     a = mx.random.normal((n, n)).astype(mx.bfloat16)
     b = mx.random.normal((n, n)).astype(mx.bfloat16)
     mx.eval(a, b)
-    for _ in range(4):
+    for _ in range(warmup):
         mx.eval([a @ b for _ in range(inner)])
     times = []
     for _ in range(reps):
@@ -29,22 +29,10 @@ def mlx_matmul_ceiling(n: int = 8192, reps: int = 5, inner: int = 10) -> float:
     return 2 * n**3 / median(times)
 
 
-def mlx_matmul_ceiling_synced(n: int = 8192, reps: int = 10) -> float:
-    """The reading bench_gpu took before the eighteenth session (a sync per matmul), kept for comparison with
-    older results files."""
-    import mlx.core as mx
-
-    a = mx.random.normal((n, n)).astype(mx.bfloat16)
-    b = mx.random.normal((n, n)).astype(mx.bfloat16)
-    mx.eval(a, b)
-    for _ in range(3):
-        mx.eval(a @ b)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(a @ b)
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / median(times)
+def mlx_matmul_ceiling_synced(n: int = 8192) -> float:
+    """The reading bench_gpu took before the eighteenth session (a sync per matmul, the median of ten after three),
+    kept for comparison with older results files."""
+    return mlx_matmul_ceiling(n, reps=10, inner=1, warmup=3)
 
 
 def torch_matmul_ceiling(n: int = 8192, reps: int = 10) -> float:

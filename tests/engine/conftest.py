@@ -169,3 +169,29 @@ def wheel_nvrtc():
         pytest.skip("nvidia-cuda-nvrtc-cu12 is not installed (the test extra installs it on Linux x86-64)")
     return ctypes.CDLL(str(Path(list(spec.submodule_search_locations)[0]) / "lib" / "libnvrtc.so.12"))
 
+
+
+@pytest.fixture(scope="session")
+def nvrtc_output(wheel_nvrtc):
+    """`output(source, options, what)`: what the wheel's NVRTC gives for `source` compiled with `options`
+    (strings): its log (`what="log"`, e.g. ptxas's report) or its PTX (`what="ptx"`). The compile must succeed."""
+    lib = wheel_nvrtc
+    getters = {"log": (lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog),
+               "ptx": (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX)}
+
+    def output(source: str, options: list[str], what: str) -> str:
+        prog = ctypes.c_void_p()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None) == 0
+        try:
+            flags = [o.encode() for o in options]
+            assert lib.nvrtcCompileProgram(prog, len(flags), (ctypes.c_char_p * len(flags))(*flags)) == 0
+            get_size, get = getters[what]
+            size = ctypes.c_size_t()
+            get_size(prog, ctypes.byref(size))
+            text = ctypes.create_string_buffer(size.value)
+            get(prog, text)
+            return text.value.decode(errors="replace")
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+    return output

@@ -10,7 +10,6 @@ of q.
 """
 from __future__ import annotations
 
-import ctypes
 import re
 import types
 
@@ -40,24 +39,8 @@ def test_the_kernel_compiles_for_hopper_in_every_dtype_and_head_size(dtype, d, r
     assert cubin[:4] == b"\x7fELF" and b"\x00" + name.encode() + b"\x00" in cubin
 
 
-def _ptxas_report(lib, source: str) -> str:
-    """NVRTC's log for `source` compiled for sm_90a with ptxas's resource report."""
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None) == 0
-    try:
-        options = [f"--gpu-architecture={ARCH}".encode(), b"--std=c++17", b"--ptxas-options=-v"]
-        assert lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options)) == 0
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        return log.value.decode(errors="replace")
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_the_kernels_wgmmas_stay_asynchronous_and_nothing_spills(dtype, rng, wheel_nvrtc):
+def test_the_kernels_wgmmas_stay_asynchronous_and_nothing_spills(dtype, rng, nvrtc_output):
     """ptxas keeps the wgmmas asynchronous (a tile's k-steps queue back to back, and V's load runs under the
     scores) unless an instruction writes a register a wgmma of the stage reads or reads one it writes before the
     wait: then it serialises them or injects waits itself, saying so only in its report (notices C7513, C7517).
@@ -65,7 +48,7 @@ def test_the_kernels_wgmmas_stay_asynchronous_and_nothing_spills(dtype, rng, whe
     slower kernel. Nor would one that no longer lets three blocks share an SM."""
     hkv = int(rng.integers(1, 9))
     source, _ = kernel_source(dtype, hkv * int(rng.integers(1, 9)), hkv, 128, int(rng.choice([16, 32])))
-    report = _ptxas_report(wheel_nvrtc, source)
+    report = nvrtc_output(source, [f"--gpu-architecture={ARCH}", "--std=c++17", "--ptxas-options=-v"], "log")
     assert not re.search(r"\(C75\d\d\)", report), report   # C7513 serialised, C7517 a wait injected, ...
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     # three blocks an SM, as measured: registers (allocated 8 a thread at a time) and the rings both fit three times

@@ -34,35 +34,18 @@ def test_the_kernel_compiles_header_free_for_every_dtype_pairing(t, c, target, r
     assert cubin[:4] == b"\x7fELF" and b"\x00" + name.encode() + b"\x00" in cubin
 
 
-def _ptx(lib, source: str) -> str:
-    """NVRTC's PTX for `source` (virtual architecture compute_90)."""
-    import ctypes
-
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None) == 0
-    try:
-        options = [b"--gpu-architecture=compute_90", b"--std=c++17"]
-        assert lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options)) == 0
-        size = ctypes.c_size_t()
-        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-        ptx = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetPTX(prog, ptx)
-        return ptx.value.decode()
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
 @pytest.mark.parametrize("t,c", PAIRS)
-def test_the_kernel_moves_rows_as_vectors_and_keeps_them_in_registers(t, c, rng, wheel_nvrtc):
+def test_the_kernel_moves_rows_as_vectors_and_keeps_them_in_registers(t, c, rng, nvrtc_output):
     """What makes the kernel fast and that the start-up check cannot see: a lane's share of a head row (4
     elements at head size 128) is read and written as one 8-byte vector, several rows are read before any is
     reduced, and no array goes to local memory (an indexed register array would)."""
     hk = int(rng.integers(1, 9))
     hq = hk * int(rng.integers(1, 9))
-    ptx = _ptx(wheel_nvrtc, precompiled_source("batchjob_qk_test", t, c, hq, hk, 128))
+    ptx = nvrtc_output(precompiled_source("batchjob_qk_test", t, c, hq, hk, 128),
+                       ["--gpu-architecture=compute_90", "--std=c++17"], "ptx")
     loads, stores = ptx.count("ld.global.v4.u16"), ptx.count("st.global.v4.u16")
     assert loads >= 2 and stores >= 2, (loads, stores)
-    assert "ld.local" not in ptx and "st.local" not in ptx and ".local" not in ptx
+    assert ".local" not in ptx   # no local memory: no ld.local / st.local, no .local declaration
 
 
 def test_a_compile_error_carries_the_compilers_log(wheel_nvrtc):
