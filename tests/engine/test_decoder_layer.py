@@ -49,10 +49,13 @@ def test_in_half_precision_the_sum_is_rounded_once(rng):
     x = mx.array(rng.standard_normal((1, t, k)).astype(np.float32)).astype(mx.bfloat16)
     residual = mx.array(rng.standard_normal((1, t, n)).astype(np.float32) * 8).astype(mx.bfloat16)
     got = np.array(linear_plus(linear, x, residual).astype(mx.float32), np.float64)
-    truth = (np.array(residual.astype(mx.float32), np.float64)
-             + np.array(x.astype(mx.float32), np.float64) @ np.array(linear.weight.astype(mx.float32), np.float64).T)
+    xs, ws, rs = (np.array(a.astype(mx.float32), np.float64) for a in (x, linear.weight, residual))
+    truth = rs + xs @ ws.T
     spacing = np.exp2(np.floor(np.log2(np.maximum(np.abs(truth), 1e-30))) - 7)
-    assert (np.abs(got - truth) <= 0.5 * spacing * 1.01 + 1e-6 * np.abs(truth)).all()
+    # The fp32 accumulation's own error (the standard bound, (k + 1) units of fp32 over the absolute terms) can
+    # carry a sum that cancels to near zero across a bf16 rounding point; half a bf16 unit is the rest.
+    accumulation = (k + 1) * 2.0 ** -24 * (np.abs(xs) @ np.abs(ws).T + np.abs(rs))
+    assert (np.abs(got - truth) <= 0.5 * spacing + accumulation).all()
 
 
 @pytest.mark.parametrize("case", ["bias", "quantized", "switched_off"])
