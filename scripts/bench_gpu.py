@@ -34,8 +34,10 @@ import numpy as np
 
 import benchlib.env
 from benchlib.attention_cases import attention_cases
-from benchlib.ceilings import median, mlx_matmul_ceiling, mlx_matmul_ceiling_synced, torch_matmul_ceiling
+from benchlib.ceilings import (median, mlx_copy_bandwidth, mlx_matmul_ceiling, mlx_matmul_ceiling_synced,
+                               torch_matmul_ceiling)
 from benchlib.flops import request_flops, vision_flops_per_clip
+from benchlib.gpu_monitor import GpuMonitor, section_table
 from benchlib.hf_baseline import transformers_baseline
 from benchlib.profile_lm import profile_lm
 from benchlib.profile_tower import profile_tower
@@ -55,9 +57,10 @@ PROFILE = ("lm_forwards_per_prefill", "lm_layer_ms", "lm_layer_matmuls_share", "
            "engine_other_host_s", "engine_between_steps_host_s")
 
 
-def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[dict, dict]:
+def run_model(model_type: str, args, ceiling: float, tmp: Path, save, gpu: GpuMonitor) -> tuple[dict, dict]:
     """One model's engine row (build, vision, LM prefill equal and ragged, profiles, end to end, attention) and
-    the arguments of its transformers baseline, run once this function's MLX model is gone."""
+    the arguments of its transformers baseline, run once this function's MLX model is gone; `gpu` keeps what the
+    GPU did in each of its sections."""
     dims = dict(SHAPES[model_type][1 if args.smoke else 0])
     qwen3 = model_type == "qwen3_vl"
     layers = (args.qwen3_layers if qwen3 else args.layers) or dims["layers"]
@@ -68,6 +71,7 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save) -> tuple[d
     def lap(name):
         now = time.perf_counter()
         row["timings_s"][name] = round(now - clock[0], 2)
+        gpu.record(f"{model_type} {name}", clock[0], now)
         clock[0] = now
         save(model_type, row)
 
@@ -351,10 +355,22 @@ def main() -> None:
                     "args": vars(args)}
     env = report["environment"]
     print(f"# {env.get('gpu')} driver {env.get('driver')}, mlx {env['mlx']}, torch {env['torch']}", flush=True)
-    ceiling_mlx = mlx_matmul_ceiling(512 if args.smoke else 8192)
-    ceiling_torch = ceiling_mlx if args.smoke else torch_matmul_ceiling()
-    report["matmul_ceiling_tflops"] = {"mlx": ceiling_mlx / 1e12, "torch": ceiling_torch / 1e12,
-                                       "mlx_synced": mlx_matmul_ceiling_synced(512 if args.smoke else 8192) / 1e12}
+    gpu = GpuMonitor().start()
+    try:
+        _run(args, report, gpu)
+    finally:
+        gpu.stop()
+
+
+def _run(args, report: dict, gpu: GpuMonitor) -> None:
+    env = report["environment"]
+    report["gpu_monitor"] = gpu.as_dict()
+    with gpu.section("ceilings"):
+        ceiling_mlx = mlx_matmul_ceiling(512 if args.smoke else 8192)
+        ceiling_torch = ceiling_mlx if args.smoke else torch_matmul_ceiling()
+        report["matmul_ceiling_tflops"] = {"mlx": ceiling_mlx / 1e12, "torch": ceiling_torch / 1e12,
+                                           "mlx_synced": mlx_matmul_ceiling_synced(512 if args.smoke else 8192) / 1e12}
+        report["memory_bandwidth_gbps"] = {"mlx_copy": mlx_copy_bandwidth(2**24 if args.smoke else 2**30) / 1e9}
     import mlx.core as mx
     print(f"bf16 matmul ceiling: MLX {ceiling_mlx / 1e12:.0f} TFLOP/s, torch {ceiling_torch / 1e12:.0f}", flush=True)
     out = Path(args.out)
@@ -362,34 +378,40 @@ def main() -> None:
 
     def save(model_type, row):   # a run stopped at its limit still leaves what it measured
         (report if model_type == "qwen2_5_vl" else report.setdefault(model_type, {})).update(row)
+        report["gpu_monitor"] = gpu.as_dict()
         benchlib.env.save_json(report, out / f"partial-{stem}.json")
 
     tmp = Path(tempfile.mkdtemp())
     report["figures"] = {}
     for model_type in args.model:
-        row, hf_job = run_model(model_type, args, ceiling_mlx, tmp, save)
+        row, hf_job = run_model(model_type, args, ceiling_mlx, tmp, save, gpu)
         gc.collect()   # transformers gets the GPU to itself: the MLX model, its KV cache and buffer cache go first
         mx.clear_cache()
         if not args.skip_transformers:
             t0 = time.perf_counter()
             row["transformers"] = transformers_baseline(**hf_job)
             row["timings_s"]["transformers"] = round(time.perf_counter() - t0, 2)
+            gpu.record(f"{model_type} transformers", t0)
             print(f"[{model_type}] transformers: {row['transformers']}", flush=True)
         save(model_type, row)
         prefix = "" if model_type == "qwen2_5_vl" else f"{model_type}."
         report["figures"].update({prefix + k: v for k, v in figures(row, ceiling_mlx, ceiling_torch).items()})
     # The ceiling read again at the end, for the record only (the figures keep the start's): every MFU and
     # wall-vs-ideal figure divides by it, and readings differ between machines and, less, within one.
-    ceiling_end = mlx_matmul_ceiling(512 if args.smoke else 8192)
+    with gpu.section("ceiling at the end"):
+        ceiling_end = mlx_matmul_ceiling(512 if args.smoke else 8192)
     report["matmul_ceiling_tflops"]["mlx_at_end"] = ceiling_end / 1e12
-    gpu = str(env.get("gpu", "gpu")).replace(" ", "-").replace("/", "-")
-    path = out / f"{gpu}-{datetime.date.today().isoformat()}-{'-'.join(args.model)}-{stem}.json"
+    report["gpu_monitor"] = gpu.as_dict()
+    gpu_name = str(env.get("gpu", "gpu")).replace(" ", "-").replace("/", "-")
+    path = out / f"{gpu_name}-{datetime.date.today().isoformat()}-{'-'.join(args.model)}-{stem}.json"
     benchlib.env.save_json(report, path)
     print(f"\n{env.get('gpu')}, {datetime.date.today()}, models {', '.join(args.model)}; ceilings MLX "
           f"{ceiling_mlx / 1e12:.0f} (read again at the end: {ceiling_end / 1e12:.0f}) / torch "
           f"{ceiling_torch / 1e12:.0f} TFLOP/s\n| figure | value |\n|---|---|")
     for k, v in report["figures"].items():
         print(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |")
+    print(f"\nmemory bandwidth (MLX x + 1): {report['memory_bandwidth_gbps']['mlx_copy']:.0f} GB/s; the GPU by section "
+          f"({gpu.problem or 'nvidia-smi every %d ms' % gpu.interval_ms}):\n{section_table(gpu.sections)}")
     print(f"wrote {path}")
 
 

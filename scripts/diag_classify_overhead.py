@@ -45,6 +45,7 @@ def main() -> None:
     from batchjob.engine import classifier as classifier_module
     from batchjob.engine import runner
     from batchjob.engine.scheduler import Scheduler
+    from benchlib.gpu_monitor import GpuMonitor
     from benchlib.profile_lm import _one_forward_batch
     from benchlib.workload import cache_features, diag_engine, drop_features, equal_and_ragged, fresh, vary_questions
 
@@ -78,7 +79,9 @@ def main() -> None:
         gc.disable()
     report: dict = {"model": a.model, "gc_off": a.gc_off, "vary": a.vary, "calls": a.calls, "buckets": buckets}
     print(f"attention's shape buckets: {buckets} per octave")
+    gpu = GpuMonitor().start()   # each batch's clocks: runs of this script on one machine are compared
     for name, reqs in batches.items():
+        batch_start = time.perf_counter()
         rows = []
         for i in range(a.calls + 1):   # the first call of each batch builds its shapes' kernels: not kept
             call = fresh(reqs, f"{name}{i}")
@@ -114,10 +117,13 @@ def main() -> None:
         drop_features(bench, alone)
         report[name] = {"calls_ms": rows, "forward_alone_ms": times[1:],
                         "median_ms": {k: statistics.median(r[k] for r in rows) for k in rows[0]},
-                        "forward_alone_median_ms": statistics.median(times[1:])}
+                        "forward_alone_median_ms": statistics.median(times[1:]),
+                        "gpu": gpu.record(name, batch_start)}
         print(f"{name}: forward alone {statistics.median(times[1:]):.1f} ms (runs {[round(t, 1) for t in times[1:]]})")
         for row in rows:
             print("  " + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    gpu.stop()
+    report["gpu_monitor"] = gpu.as_dict()
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))
 

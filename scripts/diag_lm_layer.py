@@ -17,6 +17,7 @@ import importlib.util
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import benchlib.env  # noqa: E402
 from benchlib.ceilings import median, mlx_matmul_ceiling  # noqa: E402
+from benchlib.gpu_monitor import GpuMonitor  # noqa: E402
 from benchlib.profile_lm import profile_lm  # noqa: E402
 from benchlib.workload import build_model, cache_features, drop_features, fresh, make_workload  # noqa: E402
 
@@ -81,14 +83,26 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny dims, fp32, on any device")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
+    report: dict = {"environment": benchlib.env.environment(("mlx.core", "mlx_vlm")), "args": vars(args),
+                    "command": " ".join(["diag_lm_layer.py", *sys.argv[1:]])}
+    with GpuMonitor() as gpu:
+        _run(args, report, gpu)
+    report["gpu_monitor"] = gpu.as_dict()
+    path = Path(args.out) / "diag-lm-layer.json"
+    benchlib.env.save_json(report, path)
+    print(f"wrote {path}")
+    return 0
 
+
+def _run(args, report: dict, gpu: GpuMonitor) -> None:
+    """Every model's variants in alternating rounds; each variant's GPU clocks over its own rounds (`gpu` per
+    variant and batch) so that a variant that ran at a lower clock shows it."""
     import mlx.core as mx
 
     from batchjob.engine import cuda_fused, fused_ops
 
-    report: dict = {"environment": benchlib.env.environment(("mlx.core", "mlx_vlm")), "args": vars(args),
-                    "command": " ".join(["diag_lm_layer.py", *sys.argv[1:]])}
-    report["matmul_ceiling_tflops"] = mlx_matmul_ceiling(512 if args.smoke else 8192) / 1e12
+    with gpu.section("ceiling"):
+        report["matmul_ceiling_tflops"] = mlx_matmul_ceiling(512 if args.smoke else 8192) / 1e12
     tmp = Path(tempfile.mkdtemp())
     for model_type in args.model:
         dims = dict(SHAPES[model_type][1 if args.smoke else 0])
@@ -104,6 +118,7 @@ def main() -> int:
         for i in range(8):
             batches["ragged"] += make_workload(bench, rng, 1, 1, max(2, frames - 2 * (i % 6)), size, f"rg{i}")
         runs: dict = {}
+        spans: dict = {}
         chosen = variants(clf, args)
         for r in range(args.rounds):
             for name, (kernels, in_gemm) in chosen.items():
@@ -112,8 +127,10 @@ def main() -> int:
                 for batch_name, reqs in batches.items():
                     profiled = fresh(reqs, f"p{r}{name}")
                     cache_features(bench, profiled)
+                    start = time.perf_counter()
                     prof = profile_lm(clf, profiled, dims, report["matmul_ceiling_tflops"] * 1e12,
                                       inner=args.inner, repeats=args.repeats)
+                    spans.setdefault((name, batch_name), []).append((start, time.perf_counter()))
                     drop_features(bench, profiled)
                     runs.setdefault(name, {}).setdefault(batch_name, []).append(prof)
                     steps = json.dumps({k: round(v, 3) for k, v in prof["steps_ms"].items()})
@@ -123,22 +140,18 @@ def main() -> int:
         fused_ops.RESIDUAL_IN_GEMM = True
         row = {"layers": layers, "engine_runtime": clf.runtime.as_dict(), "variants": {}}
         for name, by_batch in runs.items():
-            row["variants"][name] = {b: _summary(ps) for b, ps in by_batch.items()}
+            row["variants"][name] = {b: {**_summary(ps), "gpu": gpu.over(spans[name, b])} for b, ps in by_batch.items()}
         report[model_type] = row
         print(f"\n[{model_type}] {layers} layers; medians of {args.rounds} rounds (ceiling "
               f"{report['matmul_ceiling_tflops']:.0f} TFLOP/s)\n| variant | batch | forward ms | layer ms |"
-              f" MFU forward | vs {next(iter(row['variants']))} |\n|---|---|---|---|---|---|")
+              f" MFU forward | vs {next(iter(row['variants']))} | SM MHz median |\n|---|---|---|---|---|---|---|")
         base = next(iter(row["variants"].values()))
         for name, by_batch in row["variants"].items():
             for b, v in by_batch.items():
                 print(f"| {name} | {b} | {v['forward_ms']:.2f} | {v['layer_ms']:.3f} | {v['mfu_forward']:.3f} | "
-                      f"{base[b]['forward_ms'] / v['forward_ms']:.3f}x |")
+                      f"{base[b]['forward_ms'] / v['forward_ms']:.3f}x | {v['gpu'].get('sm_mhz_median', 'n/a')} |")
         del bench, clf
         mx.clear_cache()
-    path = Path(args.out) / "diag-lm-layer.json"
-    benchlib.env.save_json(report, path)
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -35,6 +35,31 @@ def mlx_matmul_ceiling_synced(n: int = 8192) -> float:
     return mlx_matmul_ceiling(n, reps=10, inner=1, warmup=3)
 
 
+def mlx_copy_bandwidth(nbytes: int = 2**30, reps: int = 5, inner: int = 10, warmup: int = 2) -> float:
+    """Bytes/s an elementwise pass moves in MLX on its default device (`x + 1` over `nbytes` of fp32: read once,
+    written once), `inner` passes queued per sync, median of `reps`: the memory-bound parts' ceiling, recorded
+    beside the matmul one so that a machine with slower memory is told from slower code."""
+    import mlx.core as mx
+
+    x = mx.random.uniform(shape=(nbytes // 4,))
+    mx.eval(x)
+
+    def passes():
+        y = x
+        for _ in range(inner):
+            y = y + 1   # a chain: each pass frees the one before, so memory stays at three buffers
+        mx.eval(y)
+
+    for _ in range(warmup):
+        passes()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        passes()
+        times.append((time.perf_counter() - t0) / inner)
+    return 2 * (nbytes // 4) * 4 / median(times)
+
+
 def torch_matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
     """The same in torch on CUDA, timed with CUDA events (a sync per matmul; CUDA events leave out the host)."""
     import torch

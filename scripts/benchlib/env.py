@@ -17,9 +17,26 @@ def gpu_facts() -> dict:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30).stdout.strip()
         name, driver, memory = [s.strip() for s in out.splitlines()[0].split(",")]
-        return {"gpu": name, "driver": driver, "gpu_memory": memory, "gpus": len(out.splitlines())}
+        return {"gpu": name, "driver": driver, "gpu_memory": memory, "gpus": len(out.splitlines()),
+                "gpu_details": gpu_details()}
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return {"gpu": "cpu", "gpus": 0}
+
+
+# What tells two lent machines of one kind apart, beside the name: which board, and the limits it runs under.
+GPU_DETAILS = ("uuid", "pci.bus_id", "vbios_version", "clocks.max.sm", "clocks.max.memory", "power.limit",
+               "enforced.power.limit", "power.max_limit", "persistence_mode", "ecc.mode.current", "temperature.gpu")
+
+
+def gpu_details(index: int = 0) -> dict:
+    """GPU_DETAILS of GPU `index` as nvidia-smi prints them; empty when it is missing or refuses a field."""
+    try:
+        done = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=" + ",".join(GPU_DETAILS),
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    values = [v.strip() for v in done.stdout.strip().split(",")]
+    return dict(zip(GPU_DETAILS, values)) if done.returncode == 0 and len(values) == len(GPU_DETAILS) else {}
 
 
 def module_versions(modules: tuple[str, ...]) -> dict:

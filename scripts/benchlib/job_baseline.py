@@ -36,7 +36,7 @@ def run_baseline(script: Path, args, model: Path, data: Dataset, job_rows: int) 
             "rows_per_s": job_rows / extrapolated_wall, "job_wall_s_extrapolated": extrapolated_wall,
             "decode_ms_per_clip": w["decode_ms_per_request"], "engine_ms_per_request": w["engine_ms_per_request"],
             "gpu_busy": w["engine_s"] / w["loop_s"], "peak_host_mb_sampled": got["peak_host_mb"],
-            "gpu_util_mean": got["gpu_util_mean"], "engine_runtime": w.get("engine_runtime")}
+            "gpu_util_mean": got["gpu_util_mean"], "gpu": got["gpu"], "engine_runtime": w.get("engine_runtime")}
 
 
 def baseline_worker(model: str, manifest: str, clips: int, args) -> None:

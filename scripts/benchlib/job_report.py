@@ -44,7 +44,9 @@ def figures(methods: dict) -> dict:
             "gpu_busy": per("gpu_busy"), "overlap": per("overlap"), "cores_per_gpu": per("cores_per_gpu"),
             "decode_ms_per_clip": per("decode_ms_per_clip"), "peak_host_mb": per("peak_host_mb_sampled"),
             "host_peak_mb_own": per("host_peak_mb"), "decoder_rss_mb": per("decoder_rss_mb"),
-            "kernels_compiled": per("kernels_compiled"), "gpu_util_mean": per("gpu_util_mean")}
+            "kernels_compiled": per("kernels_compiled"), "gpu_util_mean": per("gpu_util_mean"),
+            "gpu_sm_mhz_median": {m: (ok[m].get("gpu") or {}).get("sm_mhz_median") if m in ok else None
+                                  for m in methods}}
 
 
 def _fmt(v, spec: str = ".2f") -> str:
@@ -55,11 +57,12 @@ def table(methods: dict) -> str:
     fig = figures(methods)
     base, opencv = methods.get("baseline", {}), methods.get("opencv", {})
     head = ("| method | engine in | rows/s | streaming rows/s | whole / streaming | start-up s | load s | vs opencv "
-            "| vs baseline | GPU busy | decode ms/clip | cores/GPU | peak host MB | kernels compiled | bound by |")
-    lines = [head, "|" + "|".join(["---"] * 15) + "|"]
+            "| vs baseline | GPU busy | SM MHz | decode ms/clip | cores/GPU | peak host MB | kernels compiled "
+            "| bound by |")
+    lines = [head, "|" + "|".join(["---"] * 16) + "|"]
     for m, r in methods.items():
         if "error" in r:
-            lines.append(f"| {m} | failed: {r['error']} |" + " |" * 13)
+            lines.append(f"| {m} | failed: {r['error']} |" + " |" * 14)
             continue
         vs_cv = r["rows_per_s"] / opencv["rows_per_s"] if opencv.get("rows_per_s") else None
         vs_base = r["rows_per_s"] / base["rows_per_s"] if base.get("rows_per_s") and "error" not in base else None
@@ -67,7 +70,8 @@ def table(methods: dict) -> str:
                      f"{_fmt(r.get('rows_per_s_streaming'))} | "
                      f"{_fmt(r.get('rows_per_s_vs_streaming'))} | {_fmt(r.get('startup_s'), '.1f')} | "
                      f"{_fmt(r.get('load_s'), '.1f')} | {_fmt(vs_cv)}x | {_fmt(vs_base)}x | "
-                     f"{_fmt(r.get('gpu_busy'), '.0%')} | {_fmt(r.get('decode_ms_per_clip'), '.0f')} | "
+                     f"{_fmt(r.get('gpu_busy'), '.0%')} | {_fmt((r.get('gpu') or {}).get('sm_mhz_median'), '.0f')} | "
+                     f"{_fmt(r.get('decode_ms_per_clip'), '.0f')} | "
                      f"{_fmt(r.get('cores_per_gpu'), '.1f')} | {_fmt(r.get('peak_host_mb_sampled'), '.0f')} | "
                      f"{r.get('kernels_compiled', '-')} | {r.get('bound_by') or '-'} |")
     checks = []

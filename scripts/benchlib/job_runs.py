@@ -40,7 +40,8 @@ def run_job(args, name: str, cfg: dict, work: Path, job_clips: int) -> dict:
         return {"error": f"exit {got['returncode']}", "error_samples": errors, "stats": stats, **got}
     clips = min(job_clips, -(-cfg["dataset"]["limit"] // args.questions)) if cfg["dataset"].get("limit") else job_clips
     return {**summarize_run(stats, got["wall_s"], clips), "peak_host_mb_sampled": got["peak_host_mb"],
-            "gpu_util_mean": got["gpu_util_mean"], "kernels_compiled": count_files(KERNEL_CACHE) - kernels,
+            "gpu_util_mean": got["gpu_util_mean"], "gpu": got["gpu"],
+            "kernels_compiled": count_files(KERNEL_CACHE) - kernels,
             "error_samples": errors, "summary": got["output_tail"][-2500:], "stats": stats}
 
 

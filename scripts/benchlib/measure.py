@@ -1,14 +1,14 @@
 """A command measured from outside, as a user's shell sees it: wall time, exit code, the peak memory of its whole
-process tree (PSS, so shared pages count once) and the GPU's utilisation while it ran."""
+process tree (PSS, so shared pages count once) and what the GPU did while it ran (benchlib.gpu_monitor)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import statistics
 import subprocess
 import threading
 import time
+
+from .gpu_monitor import GpuMonitor
 
 
 def _children() -> dict[int, list[int]]:
@@ -43,38 +43,24 @@ def tree_pss_mb(root: int) -> float | None:
     return total / 1024
 
 
-def gpu_utilization() -> float | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=5).stdout.split()
-        return float(out[0]) / 100 if out else None
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-
-
 class Sampler(threading.Thread):
-    """Peak host memory of a process tree and mean GPU utilisation while it runs."""
+    """Peak host memory of a process tree while it runs."""
 
     def __init__(self, pid: int, period: float = 0.5):
         super().__init__(daemon=True)
         self.pid, self.period, self.stop = pid, period, threading.Event()
         self.peak_mb: float | None = None
-        self.gpu: list[float] = []
-        self.has_gpu = shutil.which("nvidia-smi") is not None
 
     def run(self) -> None:
         while not self.stop.wait(self.period):
             mb = tree_pss_mb(self.pid)
             if mb is not None:
                 self.peak_mb = max(self.peak_mb or 0.0, mb)
-            if self.has_gpu:
-                g = gpu_utilization()
-                if g is not None:
-                    self.gpu.append(g)
 
 
 def run_measured(cmd: list[str], timeout_s: float, env: dict | None = None) -> dict:
     """Run `cmd` in its own process group; wall time, exit code, sampled memory/GPU, output tail."""
+    gpu = GpuMonitor(interval_ms=500).start()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=env)
@@ -93,6 +79,9 @@ def run_measured(cmd: list[str], timeout_s: float, env: dict | None = None) -> d
         timed_out = True
     sampler.stop.set()
     sampler.join()
+    gpu.stop()
+    during = gpu.window(t0, time.perf_counter())
     return {"wall_s": time.perf_counter() - t0, "returncode": proc.returncode, "timed_out": timed_out,
-            "peak_host_mb": sampler.peak_mb, "gpu_util_mean": statistics.fmean(sampler.gpu) if sampler.gpu else None,
+            "peak_host_mb": sampler.peak_mb,
+            "gpu_util_mean": during["util_pct_mean"] / 100 if "util_pct_mean" in during else None, "gpu": during,
             "output_tail": (output or "")[-3000:]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -195,3 +196,19 @@ def nvrtc_output(wheel_nvrtc):
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
     return output
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path, monkeypatch):
+    """tests/engine/fake_nvidia_smi.py as `nvidia-smi`, first on PATH; returns the file whose content is the
+    stream's SM clock (written "1000" here; a test rewrites it between sections)."""
+    folder = tmp_path / "fake-bin"
+    folder.mkdir()
+    tool = folder / "nvidia-smi"
+    tool.write_text(f"#!{sys.executable}\n" + (Path(__file__).parent / "fake_nvidia_smi.py").read_text())
+    tool.chmod(0o755)
+    phase = tmp_path / "fake-smi-phase"
+    phase.write_text("1000")
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SMI_PHASE", str(phase))
+    return phase

@@ -73,7 +73,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path):
+def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvidia_smi):
+    """With a stand-in nvidia-smi on PATH, so that the GPU's sections and the machine's details are recorded."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-c", RUN_WITHOUT_PIPELINE_PACKAGES, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke",
            "--model", *MODELS, "--clips", "2", "--questions", "2", "--distinct", "3", "--frames", "4", "--size", "112",
@@ -118,5 +119,13 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path):
     assert set(rows["qwen2_5_vl"]["vision_profile"]["block_kinds"]) == {"window_attention", "full_attention"}
     assert "bench_gpu.py --smoke" in report["environment"]["command"]
     assert (tmp_path / "partial-Lall-Vall.json").is_file()
+    monitor, sections = report["gpu_monitor"], report["gpu_monitor"]["sections"]
+    assert monitor["problem"] is None and monitor["whole_run"]["sm_mhz_median"] == 1000
+    want = {"ceilings", "ceiling at the end"} | {f"{m} {name}" for m in MODELS
+                                                 for name in ("build", "vision", "lm_profile", "transformers")}
+    assert want <= set(sections)
+    assert sum(got.get("samples", 0) for name, got in sections.items() if name.startswith("qwen")) > 0
+    assert report["environment"]["gpu_details"]["uuid"] == "GPU-fake-0001"
+    assert report["memory_bandwidth_gbps"]["mlx_copy"] > 0
     ceilings = report["matmul_ceiling_tflops"]   # the start's reading divides the figures; the end's is recorded
     assert ceilings["mlx"] > 0 and ceilings["mlx_at_end"] > 0 and ceilings["mlx_synced"] > 0

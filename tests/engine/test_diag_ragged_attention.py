@@ -33,7 +33,7 @@ def test_diag_ragged_attention_smoke(tmp_path):
     assert row["engine_ms"] > 0 and row["sdpa_only_ms"] > 0
 
 
-def test_diag_classify_overhead_smoke(tmp_path):
+def test_diag_classify_overhead_smoke(tmp_path, fake_nvidia_smi):
     report = _run("diag_classify_overhead.py", "--smoke", "--calls", "1", "--vary", "--buckets", "4",
                   tmp_path=tmp_path)
     assert report["vary"] is True and report["buckets"] == 4
@@ -44,6 +44,8 @@ def test_diag_classify_overhead_smoke(tmp_path):
         assert abs(call["total"] - sum(call[k] for k in (*phases, "rest"))) < 1e-6
         assert call["results"] > 0 and call["finish_step"] > 0 and call["release_features"] > 0
         assert report[name]["forward_alone_median_ms"] > 0
+        assert report[name]["gpu"] == report["gpu_monitor"]["sections"][name]   # a stand-in nvidia-smi's clocks
+    assert report["gpu_monitor"]["whole_run"]["sm_mhz_median"] == 1000
 
 
 def test_diag_shape_costs_smoke(tmp_path):
@@ -68,9 +70,10 @@ def test_diag_varied_forward_smoke(tmp_path):
         assert report[name]["median"]["first_total_ms"] == batch["first"]["total"]
 
 
-def test_diag_lm_layer_smoke(tmp_path):
+def test_diag_lm_layer_smoke(tmp_path, fake_nvidia_smi):
     """The layer variants' A/B (scripts/diag_lm_layer.py): each variant's forward and layer for both batches,
-    with the residual adds timed as passes only where the variant keeps them."""
+    with the residual adds timed as passes only where the variant keeps them, and the GPU's clocks over each
+    variant's rounds (a stand-in nvidia-smi on PATH)."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "diag_lm_layer.py"), "--smoke", "--model",
                            "qwen3_vl", "--rounds", "1", "--inner", "1", "--repeats", "1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -82,3 +85,6 @@ def test_diag_lm_layer_smoke(tmp_path):
         for v in by_batch.values():
             assert v["forward_ms"] > 0 and v["layer_ms"] > 0
             assert ("residual_adds" in v["steps_ms"]) == (name == "adds"), name
+            assert v["gpu"] == {} or v["gpu"]["sm_mhz_median"] == 1000   # a round shorter than a sample has none
+    report = json.loads((tmp_path / "diag-lm-layer.json").read_text())
+    assert report["gpu_monitor"]["whole_run"]["samples"] > 0 and "ceiling" in report["gpu_monitor"]["sections"]

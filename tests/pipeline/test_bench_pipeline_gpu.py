@@ -131,16 +131,20 @@ def test_figures_have_stable_keys_and_ratios_and_survive_a_failed_method():
     def run(rps, busy):
         return {"rows_per_s": rps, "rows_per_s_streaming": rps * 2, "gpu_busy": busy, "overlap": 1.1,
                 "cores_per_gpu": 1.5, "decode_ms_per_clip": 100.0, "peak_host_mb_sampled": 900.0, "gpu_util_mean": None}
-    methods = {"pyav_keyframes": run(6.0, 0.9), "opencv": run(2.0, 0.3), "pyav_adaptive": {"error": "exit 1"},
-               "baseline": run(1.5, 0.2)}
+    methods = {"pyav_keyframes": {**run(6.0, 0.9), "gpu": {"sm_mhz_median": 1755.0}}, "opencv": run(2.0, 0.3),
+               "pyav_adaptive": {"error": "exit 1"}, "baseline": {**run(1.5, 0.2), "gpu": {}}}
     fig = job_report.figures(methods)
+    assert fig["gpu_sm_mhz_median"] == {"pyav_keyframes": 1755.0, "opencv": None, "pyav_adaptive": None,
+                                        "baseline": None}
     for key in ("keyframes_vs_opencv", "keyframes_vs_baseline", "gpu_busy", "overlap", "rows_per_s", "cores_per_gpu"):
         assert key in fig
     assert fig["keyframes_vs_opencv"] == pytest.approx(3.0) and fig["keyframes_vs_baseline"] == pytest.approx(4.0)
     assert fig["adaptive_vs_opencv"] is None and fig["rows_per_s"]["pyav_adaptive"] is None
     assert fig["gpu_busy"] == {"pyav_keyframes": 0.9, "opencv": 0.3, "pyav_adaptive": None, "baseline": 0.2}
     text = job_report.table(methods)
-    assert "| pyav_adaptive | failed: exit 1 |" in text and "3.00x" in text
+    assert "| pyav_adaptive | failed: exit 1 |" in text and "3.00x" in text and "| 90% | 1755 |" in text
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in rows}) == 1, rows   # every row has the header's columns
     assert "keyframes_vs_opencv (keyframes) 3.00: meets >= 2" in text
     assert "gpu_busy (keyframes) 0.90: meets >= 0.85" in text
 
