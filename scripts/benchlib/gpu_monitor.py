@@ -1,7 +1,7 @@
 """The GPU's clocks, power and slowdowns while a benchmark runs, per section of the run.
 
-Lent machines of one kind differ by more than the changes a benchmark compares (one engine's forward 5% apart,
-its towers 25%), and a short ceiling probe can run at a clock a long forward does not keep. A results file
+Lent machines of one kind differ by more than the changes a benchmark compares, and a short ceiling probe can
+run at a clock a long forward does not keep. A results file
 therefore says what the GPU did in each section: its SM clock, power draw, temperature and the reasons the
 driver gave for holding the clocks down. One `nvidia-smi -lms` process streams the samples; on a machine
 without one the monitor records that it had none and every summary is empty.
