@@ -28,15 +28,25 @@ GPU_DETAILS = ("uuid", "pci.bus_id", "vbios_version", "clocks.max.sm", "clocks.m
                "enforced.power.limit", "power.max_limit", "persistence_mode", "ecc.mode.current", "temperature.gpu")
 
 
-def gpu_details(index: int = 0) -> dict:
-    """GPU_DETAILS of GPU `index` as nvidia-smi prints them; empty when it is missing or refuses a field."""
+def _query(fields: tuple[str, ...], index: int) -> list[str] | None:
     try:
-        done = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=" + ",".join(GPU_DETAILS),
+        done = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=" + ",".join(fields),
                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
-        return {}
+        return None
     values = [v.strip() for v in done.stdout.strip().split(",")]
-    return dict(zip(GPU_DETAILS, values)) if done.returncode == 0 and len(values) == len(GPU_DETAILS) else {}
+    return values if done.returncode == 0 and len(values) == len(fields) else None
+
+
+def gpu_details(index: int = 0) -> dict:
+    """GPU_DETAILS of GPU `index` as nvidia-smi prints them; where this driver refuses one, the others still
+    (asked one at a time); empty without nvidia-smi."""
+    values = _query(GPU_DETAILS, index)
+    if values is not None:
+        return dict(zip(GPU_DETAILS, values))
+    if _query(GPU_DETAILS[:1], index) is None:
+        return {}
+    return {name: got[0] for name in GPU_DETAILS if (got := _query((name,), index)) is not None}
 
 
 def module_versions(modules: tuple[str, ...]) -> dict:

@@ -117,8 +117,13 @@ def test_machine_details_and_a_refused_field(fake_nvidia_smi, monkeypatch):
     assert details["uuid"] == "GPU-fake-0001" and details["power.limit"] == "700.00 W"
     assert set(details) == set(env.GPU_DETAILS)
     monkeypatch.setattr(env, "GPU_DETAILS", env.GPU_DETAILS + ("clocks_event_reasons.active",))
-    monkeypatch.setenv("FAKE_SMI_OLD", "1")
-    assert env.gpu_details() == {}
+    monkeypatch.setenv("FAKE_SMI_OLD", "1")   # a field this driver refuses: the others are still recorded
+    assert env.gpu_details() == details
+
+
+def test_no_machine_details_without_nvidia_smi(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert env.gpu_details() == {} and env.gpu_facts() == {"gpu": "cpu", "gpus": 0}
 
 
 @pytest.mark.parametrize("has_gpu", [True, False])
