@@ -48,14 +48,6 @@ from benchlib.workload import (build_model, cache_features, drop_features, fresh
 from batchjob.engine.patchify import device_pixels
 from batchjob.synthetic.random_engine import SHAPES
 
-STABLE = ("mfu_lm_prefill", "mfu_lm_prefill_ragged", "mfu_vision", "wall_vs_ideal", "distinct8_vs_transformers_batched",
-          "engine_attention_planned_vs_padded_follower")
-PROFILE = ("lm_forwards_per_prefill", "lm_layer_ms", "lm_layer_matmuls_share", "lm_layer_attention_share",
-           "lm_layer_other_share", "lm_outside_layers_share", "lm_host_build_share", "lm_host_syncs_in_layers",
-           "vision_blocks_share", "vision_outside_blocks_share", "vision_other_share", "vision_host_syncs",
-           "mlx_vlm_vision_host_syncs", "engine_steps", "engine_forward_share", "engine_vision_graph_host_s",
-           "engine_other_host_s", "engine_between_steps_host_s")
-
 
 def run_model(model_type: str, args, ceiling: float, tmp: Path, save, gpu: GpuMonitor) -> tuple[dict, dict]:
     """One model's engine row (build, vision, LM prefill equal and ragged, profiles, end to end, attention) and

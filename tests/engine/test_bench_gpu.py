@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchlib import flops  # noqa: E402
+from benchlib.gpu_targets import PROFILE, STABLE, compare  # noqa: E402
 
 MODELS = ["qwen2_5_vl", "qwen3_vl"]
 
@@ -84,10 +85,9 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
     assert done.returncode == 0, done.stderr[-4000:]
     (path,) = tmp_path.glob("*-qwen2_5_vl-qwen3_vl-*.json")
     report = json.loads(path.read_text())
-    bench = __import__("bench_gpu")
     figures = report["figures"]
     for prefix in ("", "qwen3_vl."):
-        for key in bench.STABLE + bench.PROFILE:
+        for key in STABLE + PROFILE:
             value = figures[prefix + key]
             assert isinstance(value, (int, float)) and math.isfinite(value), (prefix + key, value)
         assert figures[prefix + "lm_forwards_per_prefill"] == 1      # 3 distinct prompts: one forward under auto
@@ -127,5 +127,7 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
     assert sum(got.get("samples", 0) for name, got in sections.items() if name.startswith("qwen")) > 0
     assert report["environment"]["gpu_details"]["uuid"] == "GPU-fake-0001"
     assert report["memory_bandwidth_gbps"]["mlx_copy"] > 0
+    judged = compare([report, report])   # scripts/compare_gpu_runs.py reads the file as written
+    assert len(judged) == 2 * len(STABLE) and all(row["spread"] == 1.0 for row in judged.values())
     ceilings = report["matmul_ceiling_tflops"]   # the start's reading divides the figures; the end's is recorded
     assert ceilings["mlx"] > 0 and ceilings["mlx_at_end"] > 0 and ceilings["mlx_synced"] > 0
