@@ -94,6 +94,8 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
         assert figures[prefix + "vision_host_syncs"] == 0            # the planned tower never waits for the device
         assert figures[prefix + "mlx_vlm_vision_host_syncs"] > 0     # mlx-vlm's does (the counter sees syncs)
         assert figures[prefix + "lm_host_syncs_in_layers"] == 0
+        for key in ("mfu_lm_prefill_unstaged", "mfu_lm_prefill_ragged_unstaged"):   # prompts made in the call
+            assert math.isfinite(figures[prefix + key]) and figures[prefix + key] > 0, prefix + key
         for key in ("engine_varied_requests_per_s", "wall_vs_ideal_varied"):   # questions varied run by run
             assert math.isfinite(figures[prefix + key]) and figures[prefix + key] > 0, prefix + key
     rows = {"qwen2_5_vl": report, "qwen3_vl": report["qwen3_vl"]}
@@ -103,6 +105,10 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
         assert set(lp["categories_ms"]) == {"matmuls", "attention", "norms", "rotary", "kv_write", "elementwise"}
         assert lp["steps_ms"]["attention"] > 0 and lp["tokens"] == row["lm_prefill"]["tokens"]
         assert row["lm_prefill"]["tokens"] == row["lm_prefill"]["mlx_vlm_contiguous_tokens"]   # like for like
+        for key in ("lm_prefill", "lm_prefill_ragged"):   # staged and unstaged calls in turn, the same answers
+            assert row[key]["staged_answers_equal_unstaged"] is True and row[key]["engine_s_unstaged"] > 0
+        kinds = [c["staged"] for c in row["lm_calls"]]
+        assert kinds.count(True) == kinds.count(False) >= 2 * 6
         rp = row["lm_profile_ragged"]   # the ragged batch profiled as the equal one: the same prompts' new tokens
         assert rp["tokens"] == sum(row["lm_prefill_ragged"]["prompt_tokens"]) and rp["steps_ms"]["attention"] > 0
         assert figures[("" if model_type == "qwen2_5_vl" else "qwen3_vl.") + "lm_ragged_sdpa_calls_per_layer"] >= 1
