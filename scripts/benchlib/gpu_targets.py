@@ -17,6 +17,9 @@ PROFILE = ("lm_forwards_per_prefill", "lm_layer_ms", "lm_layer_matmuls_share", "
            "vision_blocks_share", "vision_outside_blocks_share", "vision_other_share", "vision_host_syncs",
            "mlx_vlm_vision_host_syncs", "engine_steps", "engine_forward_share", "engine_vision_graph_host_s",
            "engine_other_host_s", "engine_between_steps_host_s")
+# Shown beside the stable figures, with no target of their own: mlx-vlm's forward on the same tokens (the LM
+# target's "at least mlx-vlm's contiguous figure") and the LM prefill with its prompts staged as the job stages them.
+COMPANIONS = ("mfu_lm_mlx_vlm_contiguous", "mfu_lm_prefill_staged", "mfu_lm_prefill_ragged_staged")
 MODELS = {"qwen2_5_vl": "", "qwen3_vl": "qwen3_vl."}   # model -> the prefix of its figures' keys
 
 
@@ -66,11 +69,11 @@ def machine(report: dict) -> dict:
 
 
 def compare(reports: list[dict]) -> dict:
-    """Each model's stable figures over the runs: the runs' values, their median and spread, and the target
-    judged on the median (a run without the figure is left out of its median)."""
+    """Each model's stable figures (and their COMPANIONS) over the runs: the runs' values, their median and
+    spread, and the target judged on the median (a run without the figure is left out of its median)."""
     out: dict = {}
     for model, prefix in MODELS.items():
-        for key in STABLE:
+        for key in STABLE + COMPANIONS:
             values = [r.get("figures", {}).get(prefix + key) for r in reports]
             present = [v for v in values if isinstance(v, (int, float))]
             if not present:

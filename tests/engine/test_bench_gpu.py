@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchlib import flops  # noqa: E402
-from benchlib.gpu_targets import PROFILE, STABLE, compare  # noqa: E402
+from benchlib.gpu_targets import COMPANIONS, PROFILE, STABLE, compare  # noqa: E402
 
 MODELS = ["qwen2_5_vl", "qwen3_vl"]
 
@@ -94,7 +94,7 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
         assert figures[prefix + "vision_host_syncs"] == 0            # the planned tower never waits for the device
         assert figures[prefix + "mlx_vlm_vision_host_syncs"] > 0     # mlx-vlm's does (the counter sees syncs)
         assert figures[prefix + "lm_host_syncs_in_layers"] == 0
-        for key in ("mfu_lm_prefill_unstaged", "mfu_lm_prefill_ragged_unstaged"):   # prompts made in the call
+        for key in ("mfu_lm_prefill_staged", "mfu_lm_prefill_ragged_staged"):   # prompts made before the call
             assert math.isfinite(figures[prefix + key]) and figures[prefix + key] > 0, prefix + key
         for key in ("engine_varied_requests_per_s", "wall_vs_ideal_varied"):   # questions varied run by run
             assert math.isfinite(figures[prefix + key]) and figures[prefix + key] > 0, prefix + key
@@ -106,7 +106,7 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
         assert lp["steps_ms"]["attention"] > 0 and lp["tokens"] == row["lm_prefill"]["tokens"]
         assert row["lm_prefill"]["tokens"] == row["lm_prefill"]["mlx_vlm_contiguous_tokens"]   # like for like
         for key in ("lm_prefill", "lm_prefill_ragged"):   # staged and unstaged calls in turn, the same answers
-            assert row[key]["staged_answers_equal_unstaged"] is True and row[key]["engine_s_unstaged"] > 0
+            assert row[key]["staged_answers_equal_unstaged"] is True and row[key]["engine_s_staged"] > 0
         kinds = [c["staged"] for c in row["lm_calls"]]
         assert kinds.count(True) == kinds.count(False) >= 2 * 6
         rp = row["lm_profile_ragged"]   # the ragged batch profiled as the equal one: the same prompts' new tokens
@@ -134,6 +134,6 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
     assert report["environment"]["gpu_details"]["uuid"] == "GPU-fake-0001"
     assert report["memory_bandwidth_gbps"]["mlx_copy"] > 0
     judged = compare([report, report])   # scripts/compare_gpu_runs.py reads the file as written
-    assert len(judged) == 2 * len(STABLE) and all(row["spread"] == 1.0 for row in judged.values())
+    assert len(judged) == 2 * (len(STABLE) + len(COMPANIONS)) and all(row["spread"] == 1.0 for row in judged.values())
     ceilings = report["matmul_ceiling_tflops"]   # the start's reading divides the figures; the end's is recorded
     assert ceilings["mlx"] > 0 and ceilings["mlx_at_end"] > 0 and ceilings["mlx_synced"] > 0

@@ -50,6 +50,10 @@ def test_compare_judges_each_target_on_the_median(rng):
         assert row["target"] == f"{op} {bar:g}"
         assert row["met"] == (np.median(values) >= bar if op == ">=" else np.median(values) <= bar)
     assert got["qwen3_vl.mfu_vision"]["runs"][missing] is None
+    reports[0]["figures"]["mfu_lm_prefill_staged"] = 0.9   # a companion, in one run only: shown, no target
+    assert compare(reports)["mfu_lm_prefill_staged"] | {"runs": None} == {
+        "model": "qwen2_5_vl", "key": "mfu_lm_prefill_staged", "runs": None, "median": 0.9, "spread": 1.0,
+        "target": None, "met": None}
     assert target("qwen2_5_vl", "lm_layer_ms") is None
 
 
