@@ -61,27 +61,30 @@ class Sampler(threading.Thread):
 def run_measured(cmd: list[str], timeout_s: float, env: dict | None = None) -> dict:
     """Run `cmd` in its own process group; wall time, exit code, sampled memory/GPU, output tail."""
     gpu = GpuMonitor(interval_ms=500).start()
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=env)
-    sampler = Sampler(proc.pid)
-    sampler.start()
     try:
-        output, _ = proc.communicate(timeout=timeout_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env=env)
+        sampler = Sampler(proc.pid)
+        sampler.start()
         try:
-            output, _ = proc.communicate(timeout=15)
+            output, _ = proc.communicate(timeout=timeout_s)
+            timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        timed_out = True
-    sampler.stop.set()
-    sampler.join()
-    gpu.stop()
-    during = gpu.window(t0, time.perf_counter())
-    return {"wall_s": time.perf_counter() - t0, "returncode": proc.returncode, "timed_out": timed_out,
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                output, _ = proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
+            timed_out = True
+        end = time.perf_counter()   # the command's wall time: stopping the samplers below is not part of it
+        sampler.stop.set()
+        sampler.join()
+    finally:
+        gpu.stop()
+    during = gpu.window(t0, end)
+    return {"wall_s": end - t0, "returncode": proc.returncode, "timed_out": timed_out,
             "peak_host_mb": sampler.peak_mb,
             "gpu_util_mean": during["util_pct_mean"] / 100 if "util_pct_mean" in during else None, "gpu": during,
             "output_tail": (output or "")[-3000:]}
