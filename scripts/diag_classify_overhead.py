@@ -117,13 +117,15 @@ def main() -> None:
         drop_features(bench, alone)
         report[name] = {"calls_ms": rows, "forward_alone_ms": times[1:],
                         "median_ms": {k: statistics.median(r[k] for r in rows) for k in rows[0]},
-                        "forward_alone_median_ms": statistics.median(times[1:]),
-                        "gpu": gpu.record(name, batch_start)}
+                        "forward_alone_median_ms": statistics.median(times[1:])}
+        gpu.record(name, batch_start)
         print(f"{name}: forward alone {statistics.median(times[1:]):.1f} ms (runs {[round(t, 1) for t in times[1:]]})")
         for row in rows:
             print("  " + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     gpu.stop()
     report["gpu_monitor"] = gpu.as_dict()
+    for name in batches:
+        report[name]["gpu"] = report["gpu_monitor"]["sections"][name]
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))
 

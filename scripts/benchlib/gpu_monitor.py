@@ -138,7 +138,7 @@ class GpuMonitor:
     index: int = field(default_factory=_default_index)
     command: str = "nvidia-smi"
     samples: list[Sample] = field(default_factory=list)
-    sections: dict[str, dict] = field(default_factory=dict)
+    spans: dict[str, list[tuple[float, float]]] = field(default_factory=dict)   # section -> perf_counter spans
     problem: str | None = None
     reasons_field: str | None = None
 
@@ -181,14 +181,18 @@ class GpuMonitor:
             return summarize([s for s in self.samples if any(lo <= s.t <= hi for lo, hi in bounds)])
 
     def record(self, name: str, start: float, end: float | None = None) -> dict:
-        """Keep (and return) the summary of `start` to `end` (default now) as section `name`; a name met again
+        """Keep `start` to `end` (default now) as section `name` and return its summary so far; a name met again
         (a round of an A/B) gets a numbered key."""
-        got = self.window(start, time.perf_counter() if end is None else end)
         key, n = name, 2
-        while key in self.sections:
+        while key in self.spans:
             key, n = f"{name} #{n}", n + 1
-        self.sections[key] = got
-        return got
+        self.spans[key] = [(start, time.perf_counter() if end is None else end)]
+        return self.over(self.spans[key])
+
+    @property
+    def sections(self) -> dict[str, dict]:
+        """Each section's summary, taken now: a sample stamped inside a section may reach the reader after it."""
+        return {name: self.over(spans) for name, spans in self.spans.items()}
 
     @contextmanager
     def section(self, name: str):
@@ -212,7 +216,7 @@ class GpuMonitor:
         with self._lock:
             whole = summarize(list(self.samples))
         return {"interval_ms": self.interval_ms, "gpu_index": self.index, "reasons_field": self.reasons_field,
-                "problem": self.problem, "whole_run": whole, "sections": dict(self.sections)}
+                "problem": self.problem, "whole_run": whole, "sections": self.sections}
 
     def __enter__(self) -> GpuMonitor:
         return self.start()
