@@ -44,15 +44,16 @@ def stage(variants: dict[str, str], paths: list[str], root: Path = ROOT) -> dict
     """Each variant's version of every file under `paths` that any variant has (`rev` "." is the working tree),
     written under `<root>/.gpu/ab/<variant>/`; a file a variant lacks is listed in its ABSENT file. Returns the
     files per variant."""
+    bad = [name for name in variants if not NAME.match(name)]
+    if bad:
+        raise SystemExit(f"variant names {bad}: letters and digits only, starting with a letter")
     files: set[str] = set()
     for rev in variants.values():
-        listing = (_git("ls-files", "--cached", "--others", "--exclude-standard", "--", *paths, root=root) if rev == "."
-                   else _git("ls-tree", "-r", "--name-only", rev, "--", *paths, root=root))
-        files.update(listing.split())
+        listing = (_git("ls-files", "--cached", "--others", "--exclude-standard", "--", *paths, root=root)
+                   if rev == "." else _git("ls-tree", "-r", "--name-only", rev, "--", *paths, root=root))
+        files.update(listing.splitlines())
     out = {}
     for name, rev in variants.items():
-        if not NAME.match(name):
-            raise SystemExit(f"variant name {name!r}: letters and digits only, starting with a letter")
         folder = root / STAGE / name
         shutil.rmtree(folder, ignore_errors=True)
         absent, present = [], []

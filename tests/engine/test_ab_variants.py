@@ -64,8 +64,9 @@ def test_stage_writes_each_variants_files_and_what_it_lacks(repo):
     assert (staged / "old" / "pkg" / "mod.py").read_text() == "VALUE = 1\n"
     assert (staged / "tree" / "pkg" / "mod.py").read_text() == "VALUE = 3\n"
     assert json.loads((staged / "old" / ab_variants.ABSENT).read_text()) == ["pkg/only_new.py", "pkg/untracked.py"]
-    with pytest.raises(SystemExit, match="letters and digits"):
-        ab_variants.stage({"new-1": second}, ["pkg"], root)
+    with pytest.raises(SystemExit, match="letters and digits"):   # refused before anything is written
+        ab_variants.stage({"fresh": first, "new-1": second}, ["pkg"], root)
+    assert not (staged / "fresh").exists()
 
 
 def test_runs_alternate_with_each_variants_files_and_the_checkout_comes_back(repo, tmp_path, monkeypatch):
