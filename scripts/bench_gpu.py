@@ -382,7 +382,6 @@ def main() -> None:
 
 def _run(args, report: dict, gpu: GpuMonitor) -> None:
     env = report["environment"]
-    report["gpu_monitor"] = gpu.as_dict()
     with gpu.section("ceilings"):
         ceiling_mlx = mlx_matmul_ceiling(512 if args.smoke else 8192)
         ceiling_torch = ceiling_mlx if args.smoke else torch_matmul_ceiling()

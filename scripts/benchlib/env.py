@@ -28,9 +28,11 @@ GPU_DETAILS = ("uuid", "pci.bus_id", "vbios_version", "clocks.max.sm", "clocks.m
                "enforced.power.limit", "power.max_limit", "persistence_mode", "ecc.mode.current", "temperature.gpu")
 
 
-def _query(fields: tuple[str, ...], index: int) -> list[str] | None:
+def nvidia_smi_query(fields: tuple[str, ...], index: int, command: str = "nvidia-smi") -> list[str] | None:
+    """`fields` of GPU `index` as `command` prints them (CSV, with units); None when it is missing, refuses a
+    field or answers with another number of values."""
     try:
-        done = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=" + ",".join(fields),
+        done = subprocess.run([command, f"--id={index}", "--query-gpu=" + ",".join(fields),
                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -41,12 +43,12 @@ def _query(fields: tuple[str, ...], index: int) -> list[str] | None:
 def gpu_details(index: int = 0) -> dict:
     """GPU_DETAILS of GPU `index` as nvidia-smi prints them; where this driver refuses one, the others still
     (asked one at a time); empty without nvidia-smi."""
-    values = _query(GPU_DETAILS, index)
+    values = nvidia_smi_query(GPU_DETAILS, index)
     if values is not None:
         return dict(zip(GPU_DETAILS, values))
-    if _query(GPU_DETAILS[:1], index) is None:
+    if nvidia_smi_query(GPU_DETAILS[:1], index) is None:
         return {}
-    return {name: got[0] for name in GPU_DETAILS if (got := _query((name,), index)) is not None}
+    return {name: got[0] for name in GPU_DETAILS if (got := nvidia_smi_query((name,), index)) is not None}
 
 
 def module_versions(modules: tuple[str, ...]) -> dict:

@@ -18,6 +18,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from .env import nvidia_smi_query
+
 # NVML's clocks-event (formerly throttle) reason bits, as `nvidia-smi` prints them in hex.
 REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
            0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
@@ -112,12 +114,8 @@ def summarize(samples: list[Sample]) -> dict:
 def _reason_field(command: str, index: int) -> str | None:
     """The reasons field this driver's nvidia-smi answers to; None when nvidia-smi is missing or answers neither."""
     for name in REASON_FIELDS:
-        try:
-            done = subprocess.run([command, f"--id={index}", f"--query-gpu={name}", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        if done.returncode == 0 and done.stdout.strip():
+        got = nvidia_smi_query((name,), index, command)
+        if got is not None and got[0]:
             return name
     return None
 

@@ -70,7 +70,7 @@ def table(methods: dict) -> str:
                      f"{_fmt(r.get('rows_per_s_streaming'))} | "
                      f"{_fmt(r.get('rows_per_s_vs_streaming'))} | {_fmt(r.get('startup_s'), '.1f')} | "
                      f"{_fmt(r.get('load_s'), '.1f')} | {_fmt(vs_cv)}x | {_fmt(vs_base)}x | "
-                     f"{_fmt(r.get('gpu_busy'), '.0%')} | {_fmt((r.get('gpu') or {}).get('sm_mhz_median'), '.0f')} | "
+                     f"{_fmt(r.get('gpu_busy'), '.0%')} | {_fmt(fig['gpu_sm_mhz_median'][m], '.0f')} | "
                      f"{_fmt(r.get('decode_ms_per_clip'), '.0f')} | "
                      f"{_fmt(r.get('cores_per_gpu'), '.1f')} | {_fmt(r.get('peak_host_mb_sampled'), '.0f')} | "
                      f"{r.get('kernels_compiled', '-')} | {r.get('bound_by') or '-'} |")

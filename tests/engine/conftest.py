@@ -171,7 +171,6 @@ def wheel_nvrtc():
     return ctypes.CDLL(str(Path(list(spec.submodule_search_locations)[0]) / "lib" / "libnvrtc.so.12"))
 
 
-
 @pytest.fixture(scope="session")
 def nvrtc_output(wheel_nvrtc):
     """`output(source, options, what)`: what the wheel's NVRTC gives for `source` compiled with `options`
