@@ -1,7 +1,7 @@
 """A later call's host work done ahead on another thread (`Classifier.stage`, engine/staging.py).
 
-Checked: answers bit-identical to the same call unstaged, with the staging run on a second thread while another
-call is in its forward; the call takes what was staged (no second upload, no second prompt) and leaves nothing
+Checked: answers equal to the same call unstaged (to fp32 rounding: see `_same_answer`), with the staging run on a
+second thread while another call is in its forward; the call takes what was staged (no second upload, no second prompt) and leaves nothing
 behind; a request that fails in staging fails in its call as it would have; the hook that gives staging its turn
 fires once the call's first pass is queued.
 """
@@ -23,6 +23,14 @@ def _prepared(clf, clip, tag: str) -> Clip:
     """The clip as the pipeline's decoders send it: uint8 patch bytes made with the engine's settings."""
     inputs = preprocess_video(clip.frames, clip.metadata, clf.checkpoint.vision, normalise=False)
     return Clip(None, clip.metadata, f"{clip.media_id}-{tag}", inputs=inputs)
+
+
+def _same_answer(a, b) -> None:
+    """Equal to fp32 rounding, not bit for bit: two calls of the same requests may differ in the last bits (a
+    leading text block computed within one call's pass and read from the prefix cache in the other's; the CPU's
+    multi-threaded BLAS, whose sums come out in different orders from run to run). A staging mistake (another
+    clip's features, another prompt) moves the answer by orders of magnitude more."""
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
 
 
 def _requests(requests, clips, tag: str, clf):
@@ -98,7 +106,7 @@ def test_staged_on_another_thread_during_a_forward_answers_the_same(tiny_classif
     assert len(clf._staging) == 0
     for a, b in zip(plain, got):
         assert a.error is None and b.error is None and a.request_id == b.request_id
-        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        _same_answer(a, b)
         assert a.prompt_tokens == b.prompt_tokens
 
 
@@ -129,6 +137,6 @@ def test_what_staging_could_not_do_the_call_reports_and_nothing_is_left(tiny_cla
         b = staged[key]
         assert (a.error is None) == (b.error is None) and a.error == b.error, key
         if a.error is None:
-            np.testing.assert_array_equal(a.logprobs, b.logprobs)
+            _same_answer(a, b)
     assert unstaged["ok"].error is None and "max_model_len 300" in unstaged["long"].error
     assert "prepared with processor settings" in unstaged["settings"].error and unstaged["opts"].error

@@ -83,8 +83,10 @@ def test_answers_equal_towers_started_by_their_step(tiny_classifier, rng, make_c
     late = clf.classify(renamed("late"))
     for a, b in zip(early, late):
         assert a.error is None and b.error is None
-        np.testing.assert_array_equal(a.logprobs, b.logprobs)
-        assert a.prompt_tokens == b.prompt_tokens   # (the second call finds the system prompt cached)
+        # to fp32 rounding: the second call finds the system prompt cached, and the CPU's multi-threaded BLAS sums
+        # in a different order from run to run; a tower's features given to the wrong step would be far off
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert a.prompt_tokens == b.prompt_tokens
 
 
 def test_nothing_kept_for_failed_clips(tiny_classifier, rng, make_clip, make_request):
