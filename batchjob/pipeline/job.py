@@ -81,9 +81,9 @@ def run_job(cfg: JobConfig, options: RunOptions = RunOptions(), *,
     The checks and the output scan come first (a refused config or a finished job never starts Ray), then Ray.
     An engine in the driver (pipeline/placement.py) loads on its thread from launch, beside all of that: Ray's
     start is slower beside it (Ray forks the driver for each of its processes, and the driver then holds the
-    weights: 5.3-8.1 s against 3.9-4.7 s alone on the H100) but the load is hidden, which won 1-3 s over an
-    actor loading after Ray. Refused or finished, such a run waits for the load's current step to end (its
-    clock marks are where it can stop). With engines in actors, a thread reads the weights' uncached pages
+    weights) but the load is hidden, which wins over an actor loading after Ray (benchmarks/results/README.md).
+    Refused or finished, such a run waits for the load's current step to end (its clock marks are where it can
+    stop). With engines in actors, a thread reads the weights' uncached pages
     while Ray starts (pipeline/readahead.py)."""
     import time
 
