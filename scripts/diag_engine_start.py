@@ -1,9 +1,10 @@
 """Diagnostic: where the engine's load spends its time, in fresh processes on the whole-job benchmark's checkpoint
 and shipped config (`MlxEngine.load`, as the driver's engine thread loads it).
 
-Each run prints the load's steps (`StepClock`) and splits the step `attention_select` (the fused q/k kernel's
-selection on CUDA) into: waiting for device work queued before it (`mx.synchronize()`), building the kernel
-object, its start-up check, and the same check again (what a second check costs once everything is loaded).
+Each run prints the load's steps (`StepClock`) and splits the step `attention_select` (the fused kernels'
+selection on CUDA) into: waiting for device work queued before it (`mx.synchronize()`), building the q/k kernel
+object, its start-up check, and the same check again (what a second check costs once everything is loaded), and
+the towers' rotary kernel's check (its compile, or its read from the kernel cache, happens inside it).
 
     python3 scripts/diag_engine_start.py --model qwen3_vl [--runs 3] [--json F]
 """
@@ -26,13 +27,14 @@ def child(config_path: Path) -> dict:
 
     from batchjob.config import JobConfig
     from batchjob.engine import classifier as classifier_module
-    from batchjob.engine import cuda_fused
+    from batchjob.engine import cuda_fused, vision_rope
     from batchjob.pipeline.mlx_engine import MlxEngine
 
     cfg = JobConfig.model_validate(json.loads(config_path.read_text()))
     split: dict = {}
     real_select, real_check, real_with = (classifier_module.select_fused_kernels, cuda_fused.check_qk_norm_rope,
                                           cuda_fused.qk_norm_rope_with)
+    real_vision_check = vision_rope.check_vision_rope
 
     def timed_with(kernel):
         t = time.perf_counter()
@@ -49,6 +51,12 @@ def child(config_path: Path) -> dict:
         split["second_check_s"] = time.perf_counter() - t
         return problem
 
+    def timed_vision_check(kernel, dtype, heads=vision_rope.CHECK_HEADS, seed=0):   # the towers' kernel: its build
+        t = time.perf_counter()                                                     # is inside its first check
+        problem = real_vision_check(kernel, dtype, heads, seed)
+        split["vision_check_s"] = time.perf_counter() - t
+        return problem
+
     def timed_select(*args, **kwargs):
         t = time.perf_counter()
         mx.synchronize()
@@ -61,6 +69,7 @@ def child(config_path: Path) -> dict:
     classifier_module.select_fused_kernels = timed_select
     cuda_fused.check_qk_norm_rope = timed_check
     cuda_fused.qk_norm_rope_with = timed_with
+    vision_rope.check_vision_rope = timed_vision_check
     t = time.perf_counter()
     engine = MlxEngine.load(cfg.model, cfg.prompt)
     load_s = time.perf_counter() - t

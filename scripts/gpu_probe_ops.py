@@ -397,16 +397,29 @@ def main() -> None:
             t(f"kv.{tag}.sync_only", lambda: [k + 0], inner=1)
             del state, kc, vc
 
-    # --- fused: the hand-written CUDA kernel (engine/cuda_fused.py) vs the portable form, and the KV scatter
+    # --- fused: the hand-written CUDA kernels (cuda_fused.py, vision_rope.py) vs the portable forms, and the KV scatter
     # through 32-bit words
     if "fused" in args.sections:
-        from batchjob.engine import cuda_fused
+        from batchjob.engine import cuda_fused, kernel_build
         start = time.perf_counter()
         kernels = cuda_fused.select_fused_kernels("cuda", bf)
         rows["fused.select_s"] = round(time.perf_counter() - start, 3)
         rows["fused.summary"] = kernels.summary()
         print(kernels.summary(), flush=True)
         qk_kernel = cuda_fused.qk_norm_rope_with(cuda_fused._qk_norm_rope_kernel())
+        from batchjob.engine import vision_rope
+        from batchjob.engine.vision_attention import rope_tables, rotated_qkv
+        vision_kernel = vision_rope.vision_rope_with(vision_rope.build_kernel())
+        for tag, (n, heads, d) in {"v25": (8192 // div, 16, 80), "v3": (6272 // div, 16, 80)}.items():
+            qkv = (mx.random.normal((n, 3 * heads * d)) * 2).astype(bf)
+            tables = rope_tables(mx.random.uniform(0, 40, (n, d // 2)))
+            mx.eval(qkv, tables.cos, tables.sin, *tables.halves)
+            t(f"fused.{tag}.vision_rope_portable", lambda: rotated_qkv(qkv, heads, d, tables)[:2])   # none active
+            t(f"fused.{tag}.vision_rope_kernel", lambda: vision_kernel(qkv, heads, d, *tables.halves))
+            rows[f"fused.{tag}.vision_rope_ulps"] = kernel_build.ulps_apart(
+                vision_kernel(qkv, heads, d, *tables.halves), mx.stack(rotated_qkv(qkv, heads, d, tables)[:2], axis=1),
+                bf)
+            del qkv
         for tag, (T, hq, hkv) in {"q25": (16952 // div, 28, 4), "q3": (13896 // div, 32, 8)}.items():
             d = 128
             qkv = (mx.random.normal((T, hq + 2 * hkv, d)) * 2).astype(bf)
@@ -421,7 +434,7 @@ def main() -> None:
             t(f"fused.{tag}.qk_norm_rope_portable",
               lambda: cuda_fused.portable_qk_norm_rope(qkv, hq, hkv, qn, kn, cos2, sin2, tables))
             t(f"fused.{tag}.qk_norm_rope_kernel", lambda: qk_kernel(qkv, hq, hkv, qn, kn, cos2, sin2))
-            rows[f"fused.{tag}.qk_norm_rope_ulps"] = cuda_fused._ulps_apart(
+            rows[f"fused.{tag}.qk_norm_rope_ulps"] = kernel_build.ulps_apart(
                 qk_kernel(qkv, hq, hkv, qn, kn, cos2, sin2),
                 cuda_fused.portable_qk_norm_rope(qkv, hq, hkv, qn, kn, cos2, sin2, tables), bf)
             # KV write: the scatter as bf16 elements vs 32-bit words, small and large caches

@@ -39,6 +39,7 @@ from .staging import StagingArea
 from .token_budget import (activation_bytes_per_token, auto_batched_tokens, language_model_shape,
                            reused_bytes_per_token)
 from .types import ClassifyRequest, ClassifyResult, EngineConfig, EngineError
+from .vision_attention import rotary_heads
 from .video_features import FeatureRows, VideoFeatureCache, tail_first_row
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,8 @@ class Classifier:
         self._device = mx.cpu if checkpoint.device == "cpu" else mx.gpu  # pinned: several engines may share a process
         lm = checkpoint.model.language_model
         num_layers = install_paged_attention(lm)
-        self.fused_kernels = select_fused_kernels(checkpoint.device, checkpoint.dtype, qk_heads=qk_norm_heads(lm))
+        self.fused_kernels = select_fused_kernels(checkpoint.device, checkpoint.dtype, qk_heads=qk_norm_heads(lm),
+                                                  vision_heads=rotary_heads(checkpoint.model.vision_tower))
         activate_fused_kernels(self.fused_kernels)
         log.info("fused kernels: %s", self.fused_kernels.summary())
         self.runtime = EngineRuntime(checkpoint.device, dtype_name(checkpoint.dtype), self.attention_backend, reason,

@@ -5,38 +5,30 @@ activations. In MLX the q/k norm is a row reduction over 128-wide rows (slow on 
 to the input's dtype, then a rotary kernel: three passes over q and k. The kernel gives one warp a token: its
 head rows in turn, each read and written once as vectors, the sum of squares by shuffles, the rotary partner
 half from the lane 16 away; the token's rotary tables and the weights are read once for all its rows.
-(SwiGLU, the vision towers' rotary embedding and their norms were tried the same way and dropped:
-docs/cuda_kernels.md says what each measured.)
+(SwiGLU and the vision blocks' norms were tried the same way and dropped: docs/cuda_kernels.md says what
+each measured.) The vision towers' rotary embedding is a kernel of its own (vision_rope.py); this module chooses
+both at start.
 
 The kernel rounds where MLX's path rounds (the norm's output to the input's dtype before the weight, the weight
 product, each rotary product and their sum), so it agrees with it except where a float sum of squares taken in
-another order moves a rounding: a unit in the last place of a typical element. The engine builds it once at
-start on CUDA in half precision and compares it with the portable form on random inputs at the model's head counts
-(`select_fused_kernels`); a kernel that fails to build or to match is not used, and the reason is in the run's
-summary. Elsewhere (CPU, Metal, float32) nothing is built and the portable form runs.
-
-It is built header-free by NVRTC (`precompiled_source`, engine/nvrtc.py) and run through
-`mx.fast.precompiled_cuda_kernel`: `mx.fast.cuda_kernel` would compile it with MLX's device headers in every
-process, which cost more than a second of each start. The same body serves MLX's build, which runs where NVRTC
-cannot be used; only the conversions between float and the half types differ in spelling (`_MLX_CONVERSIONS`,
-`_BITS_CONVERSIONS`).
+another order moves a rounding: a unit in the last place of a typical element. The engine builds the kernels once
+at start on CUDA in half precision and compares each with its portable form on random inputs at the model's head
+counts (`select_fused_kernels`); a kernel that fails to build or to match is not used, and the reason is in the
+run's summary. Elsewhere (CPU, Metal, float32) nothing is built and the portable forms run. Both are built
+header-free by NVRTC where it can be used (kernel_build.py).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
+from . import kernel_build, vision_rope
 from .fused_ops import RotaryTables, rope_heads, split_tables
-
-log = logging.getLogger(__name__)
-
-HALF_DTYPES = (mx.bfloat16, mx.float16)
-THREADS = 256
+from .kernel_build import BITS, HALF_DTYPES, MLX_CONVERSIONS, THREADS, header_free_prelude, ulps_apart
 
 _QK_NORM_ROPE = r"""
     // One warp per token: its HQ + HK head rows in turn, with the rotary tables and the norms' weights read once
@@ -117,45 +109,15 @@ _QK_NORM_ROPE = r"""
 """
 
 
-# The body's conversions, as MLX's headers give them (T and C are CUDA's half types or float there)
-_MLX_CONVERSIONS = r"""
-#define LOAD_T(v) static_cast<float>(v)
-#define LOAD_C(v) static_cast<float>(v)
-#define ROUND_T(v) static_cast<float>(static_cast<T>(v))
-#define STORE_T(v) static_cast<T>(v)
-"""
-
-# Header-free: half types as their 16 bits, converted with the PTX instructions cuda_bf16.h / cuda_fp16.h use
-# (round to nearest even; exact widening).
-_BITS_CONVERSIONS = r"""
-__device__ __forceinline__ float bf16_to_float(unsigned short h) {
-    union { unsigned int u; float f; } w; w.u = ((unsigned int)h) << 16; return w.f;
-}
-__device__ __forceinline__ unsigned short float_to_bf16(float x) {
-    unsigned short r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r;
-}
-__device__ __forceinline__ float f16_to_float(unsigned short h) {
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
-}
-__device__ __forceinline__ unsigned short float_to_f16(float x) {
-    unsigned short r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r;
-}
-__device__ __forceinline__ float f32_to_float(float x) { return x; }
-"""
-_BITS = {mx.bfloat16: ("unsigned short", "bf16"), mx.float16: ("unsigned short", "f16"), mx.float32: ("float", "f32")}
+def _qk_name(args: dict) -> str:
+    return (f"batchjob_qk_norm_rope_{BITS[args['T']][1]}_{BITS[args['C']][1]}_{args['HQ']}_{args['HK']}_"
+            f"{args['D']}")
 
 
 def precompiled_source(name: str, t: mx.Dtype, c: mx.Dtype, hq: int, hk: int, d: int) -> str:
     """The kernel as one header-free translation unit for NVRTC (`mx.fast.precompiled_cuda_kernel`'s convention:
     the inputs, the output, then the scalars: `qkv`'s tokens and heads); the same body as MLX's build."""
-    (t_type, t_tag), (c_type, c_tag) = _BITS[t], _BITS[c]
-    return (_BITS_CONVERSIONS + f"""
-#define LOAD_T(v) {t_tag}_to_float(v)
-#define LOAD_C(v) {c_tag}_to_float(v)
-#define ROUND_T(v) {t_tag}_to_float(float_to_{t_tag}(v))
-#define STORE_T(v) float_to_{t_tag}(v)
-typedef {t_type} T;
-typedef {c_type} C;
+    return (header_free_prelude(t, c) + f"""
 extern "C" __global__ void {name}(const T* qkv, const T* q_weight, const T* k_weight, const C* cos_table,
                                   const C* sin_table, const float* eps, T* out, int qkv_tokens, int qkv_heads) {{
     constexpr int HQ = {hq};
@@ -168,57 +130,21 @@ extern "C" __global__ void {name}(const T* qkv, const T* q_weight, const T* k_we
 def _mlx_qk_norm_rope_kernel():
     return mx.fast.cuda_kernel(name="batchjob_qk_norm_rope",
                                input_names=["qkv", "q_weight", "k_weight", "cos_table", "sin_table", "eps"],
-                               output_names=["out"], source=_QK_NORM_ROPE, header=_MLX_CONVERSIONS)
+                               output_names=["out"], source=_QK_NORM_ROPE, header=MLX_CONVERSIONS)
 
 
-def precompiled_kernel(compiler, fallback):
-    """`mx.fast.cuda_kernel`'s calling convention over a kernel `compiler` (nvrtc.Compiler) builds header-free
-    per template; `fallback()` (MLX's build) serves a template whose compile fails."""
-    built: dict[tuple, Callable] = {}
-
-    def build(template) -> Callable:
-        args = dict(template)
-        t, c, hq, hk, d = args["T"], args["C"], args["HQ"], args["HK"], args["D"]
-        name = f"batchjob_qk_norm_rope_{_BITS[t][1]}_{_BITS[c][1]}_{hq}_{hk}_{d}"
-        try:
-            cubin = compiler.cubin(name, precompiled_source(name, t, c, hq, hk, d))
-        except Exception as err:   # NVRTC refused it: MLX's own build of the same body
-            log.info("qk_norm_rope: NVRTC build failed (%s); MLX's cuda_kernel builds it", str(err)[:300])
-            kernel.built_by = f"MLX's cuda_kernel: NVRTC refused it ({str(err).splitlines()[0][:120]})"
-            return fallback()
-
-        def run(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            return mx.fast.precompiled_cuda_kernel(
-                name=name, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
-                output_dtypes=output_dtypes, scalars=[int(inputs[0].shape[0]), int(inputs[0].shape[1])], grid=grid,
-                threadgroup=threadgroup, ensure_row_contiguous=True)
-        return run
-
-    def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        key = tuple(template)
-        if key not in built:
-            built[key] = build(template)
-        return built[key](inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
-                          output_shapes=output_shapes, output_dtypes=output_dtypes)
-
-    kernel.built_by = "NVRTC, header-free"   # for the run's summary; says so where a template fell back
-    return kernel
+def precompiled_kernel(compiler, fallback) -> Callable:
+    """The q/k kernel built header-free per template by `compiler` (nvrtc.Compiler), `fallback()` (MLX's build)
+    where a template's compile fails."""
+    return kernel_build.precompiled_kernel(
+        compiler, fallback, _qk_name,
+        lambda name, a: precompiled_source(name, a["T"], a["C"], a["HQ"], a["HK"], a["D"]), "qk_norm_rope")
 
 
 def _qk_norm_rope_kernel():
     """The kernel as NVRTC builds it header-free (a fraction of MLX's compile time at each start), else MLX's."""
-    from .nvrtc import compiler
-
-    nvrtc = compiler()
-    if isinstance(nvrtc, str):
-        log.info("qk_norm_rope: %s; MLX's cuda_kernel builds it", nvrtc)
-        mlx_kernel = _mlx_qk_norm_rope_kernel()
-
-        def kernel(**kwargs):
-            return mlx_kernel(**kwargs)
-        kernel.built_by = f"MLX's cuda_kernel: {nvrtc}"
-        return kernel
-    return precompiled_kernel(nvrtc, _mlx_qk_norm_rope_kernel)
+    return kernel_build.nvrtc_or_mlx("qk_norm_rope", lambda nvrtc: precompiled_kernel(nvrtc, _mlx_qk_norm_rope_kernel),
+                                     _mlx_qk_norm_rope_kernel)
 
 
 def qk_norm_rope_suits(dtype: mx.Dtype, head_dim: int) -> bool:
@@ -231,10 +157,11 @@ class FusedKernels:
     """The kernels in use (None: the portable form runs) and why, for the run's summary."""
 
     qk_norm_rope: Callable[..., mx.array] | None = None
+    vision_rope: Callable[..., mx.array] | None = None
     reason: str = "not built"
 
     def summary(self) -> str:
-        used = [name for name in ("qk_norm_rope",) if getattr(self, name) is not None]
+        used = [name for name in ("qk_norm_rope", "vision_rope") if getattr(self, name) is not None]
         return f"{', '.join(used) or 'none'} ({self.reason})"
 
 
@@ -277,24 +204,6 @@ class _Norm:
         return mx.fast.rms_norm(x, self.weight, self.eps)
 
 
-def _ulps_apart(got: mx.array, want: mx.array, dtype: mx.Dtype) -> float:
-    """Largest |got - want| in units of the dtype's spacing at the larger of the two, and never below the spacing
-    at the values' root mean square: a rounding of a typical operand counts once even where products cancel
-    to a small result, while a wrong element (a wrong partner, weight or row) is many units off."""
-    g = np.array(got.astype(mx.float32)).ravel()
-    w = np.array(want.astype(mx.float32)).ravel()
-    if g.shape != w.shape:
-        return float("inf")
-    if not g.size:
-        return 0.0
-    mantissa = 7 if dtype == mx.bfloat16 else 10
-    floor = max(float(np.sqrt(np.mean(w.astype(np.float64) ** 2))), 1e-30)
-    scale = np.maximum(np.maximum(np.abs(w), np.abs(g)), floor)
-    spacing = np.exp2(np.floor(np.log2(scale)) - mantissa)
-    ulps = np.abs(g - w) / spacing
-    return float(np.max(np.where(np.isfinite(g) & np.isfinite(w), ulps, np.inf)))
-
-
 # A sum of squares taken in another order moves a rounding of an element by a step of its own size (up to a few
 # times the root mean square: measured 2 units at the 8B shapes); a wrong element is off by its own size, over
 # a hundred units.
@@ -320,38 +229,56 @@ def check_qk_norm_rope(qk_norm_rope, dtype: mx.Dtype, heads: tuple[int, int, int
     sin = mx.array(np.concatenate([np.sin(angles)] * 2, axis=1)).astype(dtype)
     q_norm, k_norm = _Norm(arr(d, scale=0.5) + 1, 1e-6), _Norm(arr(d, scale=0.5) + 1, 1e-6)
     got = qk_norm_rope(qkv, hq, hkv, q_norm, k_norm, cos, sin)
-    ulps = _ulps_apart(got, portable_qk_norm_rope(qkv, hq, hkv, q_norm, k_norm, cos, sin), dtype)
+    ulps = ulps_apart(got, portable_qk_norm_rope(qkv, hq, hkv, q_norm, k_norm, cos, sin), dtype)
     if ulps > MAX_ULPS:
         return f"q/k norm + rotary differs from the portable form by {ulps:.1f} units in the last place"
     return None
 
 
+def _checked(label: str, build: Callable, wrap: Callable, check: Callable) -> tuple[Callable | None, str]:
+    """A kernel built, wrapped and checked against its portable form: (the wrapped kernel, why) or (None, the
+    problem)."""
+    built = None
+    try:
+        built = build()
+        kernel = wrap(built)
+        problem = check(kernel)
+    except Exception as exc:   # NVRTC errors, a missing header: the portable form still works
+        problem = f"{label} failed to build or run: {type(exc).__name__}: {str(exc)[:300]}"
+    if problem is not None:
+        return None, problem
+    how = getattr(built, "built_by", None)   # known after the check's call: how its template was compiled
+    return kernel, "the CUDA kernel matched the portable form at start" + (f"; built by {how}" if how else "")
+
+
 def select_fused_kernels(device: str, dtype: mx.Dtype, *, qk_heads: tuple[int, int, int] | None = CHECK_HEADS,
-                         build_qk_norm_rope=_qk_norm_rope_kernel) -> FusedKernels:
+                         vision_heads: tuple[int, int] | None = None, build_qk_norm_rope=_qk_norm_rope_kernel,
+                         build_vision_rope=vision_rope.build_kernel) -> FusedKernels:
     """The kernels to use for `device` ("cpu" | "metal" | "cuda") and the engine's `dtype`: on CUDA in half
-    precision, each one that builds and matches the portable form (the builder injectable for tests).
+    precision, each one that builds and matches its portable form (the builders injectable for tests).
     `qk_heads`: (q heads, kv heads, head size) of a model whose attention normalises q and k (Qwen3), None for
-    one that does not: then nothing is built."""
-    if qk_heads is None:
+    one that does not. `vision_heads`: the vision tower's (heads, head size), None to build no towers' kernel."""
+    if qk_heads is None and vision_heads is None:
         return FusedKernels(reason="no q/k norms in this model")
     if device != "cuda":
         return FusedKernels(reason=f"portable forms on {device}")
     if dtype not in HALF_DTYPES:
         return FusedKernels(reason=f"portable forms in {dtype}: the kernels are for half precision")
-    if not qk_norm_rope_suits(dtype, qk_heads[2]):
-        return FusedKernels(reason=f"portable forms for head size {qk_heads[2]} (the kernel takes multiples of 64)")
-    built = None
-    try:
-        built = build_qk_norm_rope()
-        kernel = qk_norm_rope_with(built)
-        problem = check_qk_norm_rope(kernel, dtype, qk_heads)
-    except Exception as exc:   # NVRTC errors, a missing header: the portable form still works
-        problem = f"qk_norm_rope failed to build or run: {type(exc).__name__}: {str(exc)[:300]}"
-    if problem is not None:
-        return FusedKernels(reason=problem)
-    how = getattr(built, "built_by", None)   # known after the check's call: how its template was compiled
-    return FusedKernels(qk_norm_rope=kernel, reason="the CUDA kernel matched the portable form at start"
-                        + (f"; built by {how}" if how else ""))
+    if qk_heads is None:
+        qk, qk_why = None, "no q/k norms in this model"
+    elif not qk_norm_rope_suits(dtype, qk_heads[2]):
+        qk, qk_why = None, f"portable forms for head size {qk_heads[2]} (the kernel takes multiples of 64)"
+    else:
+        qk, qk_why = _checked("qk_norm_rope", build_qk_norm_rope, qk_norm_rope_with,
+                              lambda k: check_qk_norm_rope(k, dtype, qk_heads))
+    if vision_heads is None:
+        return FusedKernels(qk_norm_rope=qk, reason=qk_why)
+    if not vision_rope.vision_rope_suits(dtype, vision_heads[1]):
+        tower, tower_why = None, f"portable form for head size {vision_heads[1]} (the kernel takes multiples of 8)"
+    else:
+        tower, tower_why = _checked("vision_rope", build_vision_rope, vision_rope.vision_rope_with,
+                                    lambda k: vision_rope.check_vision_rope(k, dtype, vision_heads))
+    return FusedKernels(qk_norm_rope=qk, vision_rope=tower, reason=f"q/k: {qk_why}; towers' rotary: {tower_why}")
 
 
 _ACTIVE = FusedKernels()

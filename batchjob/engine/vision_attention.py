@@ -16,7 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .cuda_fused import active as active_fused_kernels
 from .fused_ops import RotaryTables, pairs_suit, rope_pairs, rotate_half_rope
+from .vision_rope import vision_rope_suits
 
 
 def drop_repeated_boundaries(cu_seqlens: np.ndarray) -> np.ndarray:
@@ -73,6 +75,7 @@ class RopeTables:
     cos: mx.array
     sin: mx.array
     pairs: RotaryTables | None = None   # the same split for `rope_pairs`, where that form is the faster one
+    halves: tuple[mx.array, mx.array] | None = None   # cos, sin `[tokens, head_dim / 2]` in fp32 (vision_rope.py)
 
 
 def rope_tables(freqs: mx.array) -> RopeTables:
@@ -82,17 +85,22 @@ def rope_tables(freqs: mx.array) -> RopeTables:
 
     c, s = mx.cos(freqs), mx.sin(freqs)
     cos, sin = table(c), table(s)
+    halves = (c.astype(mx.float32), s.astype(mx.float32))
     if not pairs_suit(cos.shape[-1]):
-        return RopeTables(cos, sin)
+        return RopeTables(cos, sin, halves=halves)
     # the halves repeat by construction: one cos half serves both (a smaller table to read in every block)
-    return RopeTables(cos, sin, RotaryTables(c[:, None, None, None, :], mx.stack([-s, s], axis=-2)[:, None, None]))
+    return RopeTables(cos, sin, RotaryTables(c[:, None, None, None, :], mx.stack([-s, s], axis=-2)[:, None, None]),
+                      halves=halves)
 
 
 def rotated_qkv(qkv: mx.array, heads: int, head_dim: int, rope: RopeTables) -> tuple[mx.array, mx.array, mx.array]:
     """q and k rotated, and v, from the stacked projection's output `[tokens, 3 * heads * head_dim]`, each
     `[tokens, heads, head_dim]` (views of one rotated array and of the projection)."""
     tokens = qkv.shape[0]
-    if rope.pairs is not None:
+    kernel = active_fused_kernels().vision_rope
+    if kernel is not None and rope.halves is not None and vision_rope_suits(qkv.dtype, head_dim):   # one CUDA kernel
+        qk = kernel(qkv, heads, head_dim, *rope.halves)
+    elif rope.pairs is not None:
         qk = rope_pairs(qkv.reshape(tokens, 3, heads, 2, head_dim // 2)[:, :2], rope.pairs)
         qk = qk.reshape(tokens, 2, heads, head_dim)
     else:
@@ -144,6 +152,15 @@ def packed_attention(attn: nn.Module, x: mx.array, plan: SegmentPlan, rope: Rope
     if plan.restore is not None:
         out = out[plan.restore]
     return attn.proj(out)
+
+
+def rotary_heads(tower: nn.Module) -> tuple[int, int] | None:
+    """(heads, head size) of the tower's attention, as its blocks run it (after any padding at load); None for a
+    tower without blocks."""
+    blocks = getattr(tower, "blocks", None)
+    if not blocks:
+        return None
+    return int(blocks[0].attn.num_heads), int(blocks[0].attn.head_dim)
 
 
 def frame_boundaries(grid_thw: list[tuple[int, int, int]]) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from batchjob.engine import attention, cuda_fused
+from batchjob.engine.kernel_build import ulps_apart
 from batchjob.engine.cuda_fused import (FusedKernels, check_qk_norm_rope, portable_qk_norm_rope, qk_norm_rope_suits,
                                         qk_norm_rope_with, select_fused_kernels)
 
@@ -73,7 +74,7 @@ def test_fresh_random_inputs_agree_to_a_rounding_step(rng):
     got = qk_norm_rope_with(emulated_kernel())(qkv, hq, hkv, *norms, cos, sin)
     want = portable_qk_norm_rope(qkv, hq, hkv, *norms, cos, sin)
     assert got.shape == (tokens, hq + hkv, d)
-    assert cuda_fused._ulps_apart(got, want, mx.bfloat16) <= cuda_fused.MAX_ULPS
+    assert ulps_apart(got, want, mx.bfloat16) <= cuda_fused.MAX_ULPS
 
 
 def test_only_cuda_in_half_precision_builds_and_a_failing_build_falls_back():

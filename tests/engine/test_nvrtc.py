@@ -1,4 +1,5 @@
-"""Our CUDA kernel compiled header-free by NVRTC (engine/nvrtc.py, `cuda_fused.precompiled_source`).
+"""Our CUDA kernels compiled header-free by NVRTC (engine/nvrtc.py; `cuda_fused.precompiled_source`,
+`vision_rope.precompiled_source`).
 
 NVRTC compiles without a GPU, so the source the engine hands it on an NVIDIA machine is compiled here for the
 architectures we meet, every dtype pairing the engine can ask for; the loaders and the dispatch are checked with
@@ -14,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from batchjob.engine import cuda_fused, nvrtc
+from batchjob.engine import cuda_fused, nvrtc, vision_rope
 from batchjob.engine.cuda_fused import precompiled_kernel, precompiled_source
 from batchjob.engine.nvrtc import NvrtcError, Target, compile_cubin, load_nvrtc, loaded_library
 
@@ -46,6 +47,26 @@ def test_the_kernel_moves_rows_as_vectors_and_keeps_them_in_registers(t, c, rng,
     loads, stores = ptx.count("ld.global.v4.u16"), ptx.count("st.global.v4.u16")
     assert loads >= 2 and stores >= 2, (loads, stores)
     assert ".local" not in ptx   # no local memory: no ld.local / st.local, no .local declaration
+
+
+@pytest.mark.parametrize("target", [Target(8, 0), Target(9, 0)])
+@pytest.mark.parametrize("t", [mx.bfloat16, mx.float16])
+def test_the_towers_kernel_compiles_header_free(t, target, rng, wheel_nvrtc):
+    heads, d = int(rng.integers(1, 33)), int(rng.choice([72, 80, 128]))
+    name = f"batchjob_vision_rope_test_{heads}_{d}"
+    cubin = compile_cubin(wheel_nvrtc, vision_rope.precompiled_source(name, t, heads, d), name, target)
+    assert cubin[:4] == b"\x7fELF" and b"\x00" + name.encode() + b"\x00" in cubin
+
+
+@pytest.mark.parametrize("t", [mx.bfloat16, mx.float16])
+def test_the_towers_kernel_moves_quads_and_keeps_them_in_registers(t, rng, nvrtc_output):
+    """Four pairs a thread: each half of q or k read as one 8-byte vector, the tables' halves as 16-byte vectors,
+    no element-wise store, no local memory."""
+    ptx = nvrtc_output(vision_rope.precompiled_source("batchjob_vision_test", t, int(rng.integers(1, 33)),
+                                                      int(rng.choice([72, 80, 128]))),
+                       ["--gpu-architecture=compute_90", "--std=c++17"], "ptx")
+    assert ptx.count("ld.global.v4.u16") == 2 and ptx.count("ld.global.v4.f32") == 2, ptx
+    assert "st.global.u16" not in ptx and ".local" not in ptx
 
 
 def test_a_compile_error_carries_the_compilers_log(wheel_nvrtc):
@@ -201,3 +222,21 @@ def test_compiled_kernels_are_kept_on_disk_by_source_and_architecture(tmp_path, 
     assert nvrtc.Compiler(object(), Target(9, 0), blocked).cubin("k", "x") == b"cubin k sm_90 1"
     assert nvrtc.Compiler(object(), Target(9, 0)).cubin("k", "x") == b"cubin k sm_90 1"   # no cache at all
 
+
+
+def test_the_towers_kernel_is_named_per_template_and_given_qkvs_dimensions(monkeypatch):
+    compiled, ran = [], []
+
+    class Compiler:
+        def cubin(self, name, source):
+            compiled.append(name)
+            assert f"void {name}(" in source and "constexpr int H = 16;" in source and "constexpr int D = 80;" in source
+            return b"cubin"
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **kw: ran.append(kw) or ["out"])
+    kernel = vision_rope.precompiled_kernel(Compiler(), lambda: None)
+    qkv = mx.zeros((9, 3 * 16 * 80), dtype=mx.float16)
+    for _ in range(2):
+        kernel(inputs=[qkv, None, None], template=[("T", mx.float16), ("H", 16), ("D", 80)], grid=(9 * 16 * 20, 1, 1),
+               threadgroup=(256, 1, 1), output_shapes=[(9, 2, 16, 80)], output_dtypes=[mx.float16])
+    assert compiled == ["batchjob_vision_rope_f16_16_80"] and [r["scalars"] for r in ran] == [[9, 3840]] * 2
