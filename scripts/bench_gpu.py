@@ -41,7 +41,7 @@ from benchlib.flops import request_flops, vision_flops_per_clip
 from benchlib.gpu_monitor import GpuMonitor, section_table
 from benchlib.hf_baseline import transformers_baseline
 from benchlib.profile_lm import profile_lm
-from benchlib.profile_tower import profile_tower
+from benchlib.profile_tower import profile_tower, towers_seconds
 from benchlib.steps import step_timeline, summarize_steps
 from benchlib.timing import ms_per_call, timed
 from benchlib.workload import (build_model, cache_features, drop_features, fresh, make_workload, prompt_ids,
@@ -99,7 +99,7 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save, gpu: GpuMo
     # its graph is built, one sync), one clip alone (built, run, synced) against mlx-vlm's forward and
     # transformers' (like for like); then the profile.
     inputs = workload[0].clip.inputs
-    v_ours = _engine_towers_seconds(ckpt, [r.clip.inputs for r in workload[::args.questions][:8]], args.repeats)
+    v_ours = towers_seconds(ckpt, [r.clip.inputs for r in workload[::args.questions][:8]], args.repeats)
     v_alone = ms_per_call(lambda: ckpt.encode_clip(inputs), 1, 5) / 1e3
     v_theirs = _mlx_vlm_tower_seconds(ckpt, inputs)
     v_flops = vision_flops_per_clip(grid, v_layers, model_type, dims)
@@ -224,23 +224,6 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save, gpu: GpuMo
                   video_token_id=ckpt.video_token_id, seq_requests=args.hf_sequential, batch_size=args.hf_batch,
                   batches=args.hf_batches, model_type=model_type)
     return row, hf_job
-
-
-def _engine_towers_seconds(ckpt, clips, repeats: int) -> float:
-    """Seconds per clip for `clips` (prepared inputs) encoded as the classifier encodes a step's clips
-    (`Classifier._video_rows`: each tower started with `async_eval` while the next graph is built)."""
-    import mlx.core as mx
-
-    def run():
-        feats = []
-        for inputs in clips:
-            f = ckpt.encode_clip(inputs)
-            mx.async_eval(f)
-            feats.append(f)
-        mx.eval(feats)
-
-    run()
-    return timed(run, repeats)[0] / len(clips)
 
 
 def _mlx_vlm_tower_seconds(ckpt, inputs) -> float:

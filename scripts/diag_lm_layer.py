@@ -25,9 +25,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import benchlib.env  # noqa: E402
 from benchlib.ceilings import median, mlx_matmul_ceiling  # noqa: E402
-from benchlib.gpu_monitor import GpuMonitor  # noqa: E402
+from benchlib.gpu_monitor import GpuMonitor, monitored_report  # noqa: E402
 from benchlib.profile_lm import profile_lm  # noqa: E402
 from benchlib.workload import build_model, cache_features, drop_features, fresh, make_workload  # noqa: E402
 
@@ -83,14 +82,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny dims, fp32, on any device")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    report: dict = {"environment": benchlib.env.environment(("mlx.core", "mlx_vlm")), "args": vars(args),
-                    "command": " ".join(["diag_lm_layer.py", *sys.argv[1:]])}
-    with GpuMonitor() as gpu:
-        _run(args, report, gpu)
-    report["gpu_monitor"] = gpu.as_dict()
-    path = Path(args.out) / "diag-lm-layer.json"
-    benchlib.env.save_json(report, path)
-    print(f"wrote {path}")
+    monitored_report("diag-lm-layer", args, _run)
     return 0
 
 

@@ -13,12 +13,14 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from .env import nvidia_smi_query
+from .env import environment, nvidia_smi_query, save_json
 
 # NVML's clocks-event (formerly throttle) reason bits, as `nvidia-smi` prints them in hex.
 REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
@@ -239,3 +241,18 @@ def section_table(sections: dict[str, dict]) -> str:
                      f"{num(got, 'mem_mhz_median')} | {num(got, 'power_w_median')} ({num(got, 'power_w_max')}) | "
                      f"{num(got, 'temp_c_max')} | {num(got, 'util_pct_median')} | {reasons} |")
     return "\n".join(lines)
+
+
+def monitored_report(name: str, args, run, modules: tuple[str, ...] = ("mlx.core", "mlx_vlm")) -> Path:
+    """A diagnostic's whole run: the environment and its arguments, what `run(args, report, gpu)` adds to the
+    report while one monitor streams, and the monitor's summary, saved to `<args.out>/<name>.json`."""
+    script = Path(sys.argv[0]).name
+    report: dict = {"environment": environment(modules), "args": vars(args),
+                    "command": " ".join([script, *sys.argv[1:]])}
+    with GpuMonitor() as gpu:
+        run(args, report, gpu)
+    report["gpu_monitor"] = gpu.as_dict()
+    path = Path(args.out) / f"{name}.json"
+    save_json(report, path)
+    print(f"wrote {path}")
+    return path

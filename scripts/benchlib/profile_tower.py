@@ -11,10 +11,28 @@ import time
 
 from .flops import vision_block_linear_flops, vision_flops_per_clip
 from .syncs import count_host_syncs
-from .timing import ms_per_call
+from .timing import ms_per_call, timed
 
 CATEGORIES = {"matmuls": ("qkv", "proj", "mlp_up", "mlp_down"), "attention": ("sdpa",), "norms": ("norm1", "norm2"),
               "rotary": ("rope",), "elementwise": ("mlp_act", "residual_adds")}
+
+
+def towers_seconds(ckpt, clips, repeats: int) -> float:
+    """Seconds per clip for `clips` (prepared inputs) encoded as the classifier encodes a step's clips
+    (`Classifier._video_rows`: each tower started with `async_eval` while the next graph is built); median of
+    `repeats` after one untimed run."""
+    import mlx.core as mx
+
+    def run():
+        feats = []
+        for inputs in clips:
+            f = ckpt.encode_clip(inputs)
+            mx.async_eval(f)
+            feats.append(f)
+        mx.eval(feats)
+
+    run()
+    return timed(run, repeats)[0] / len(clips)
 
 
 def _planner(model_type: str):
