@@ -23,6 +23,9 @@ Methods, each a fresh process timed from outside, start to exit:
   actor_engine     the same with `runtime.engine_placement: actors` (the engine in a Ray actor, loading after
                    Ray's start: the placement's control; the shipped `auto` puts a one-GPU job's engine in the
                    driver's process, loading from launch)
+  one_gpu          pyav_keyframes with only the machine's first GPU visible (CUDA_VISIBLE_DEVICES): on a machine
+                   with several, the control of the headline run, which uses them all (one engine each); the
+                   figure `all_gpus_vs_one_gpu` is their ratio. On a machine with one GPU it repeats the headline run
   opencv, pyav_adaptive   the shipped config with that loader
   baseline         one process: the model loaded once, then per question decode its clip with `opencv` and
                    classify that one question alone (the harness the published study measured against), on the
@@ -38,6 +41,7 @@ Written to `<out>/pipeline-<model>-<gpu>-<date>.json` after every method.
     scripts/netns.sh bash -c 'source scripts/env.sh; python scripts/bench_pipeline_gpu.py --smoke --explicit-budget-gb 4'
     python3 scripts/bench_pipeline_gpu.py --out $OUT --cache /tmp/bjcache          # on the GPU machine
     python3 scripts/bench_pipeline_gpu.py --model qwen3_vl --out $OUT --cache /tmp/bjcache
+    python3 scripts/bench_pipeline_gpu.py --methods pyav_keyframes,one_gpu --out $OUT   # a machine with 2+ GPUs
 """
 from __future__ import annotations
 
@@ -53,12 +57,12 @@ from benchlib.job_baseline import baseline_worker, run_baseline
 from benchlib.job_inputs import checkpoint_pixels, ensure_in_process_model, in_process_config, job_checkpoint, job_data
 from benchlib.job_models import MODELS
 from benchlib.job_report import environment, results_path, save, table
-from benchlib.job_runs import ACTOR_ENGINE, COLD_CACHE, EXPLICIT_BUDGET, FIRST_RUN, run_job, run_user
+from benchlib.job_runs import ACTOR_ENGINE, COLD_CACHE, EXPLICIT_BUDGET, FIRST_RUN, ONE_GPU, run_job, run_user
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 LOADERS = ("pyav_keyframes", "opencv", "pyav_adaptive")
-METHODS = (FIRST_RUN, "pyav_keyframes", EXPLICIT_BUDGET, COLD_CACHE, ACTOR_ENGINE, "opencv", "baseline",
+METHODS = (FIRST_RUN, "pyav_keyframes", EXPLICIT_BUDGET, COLD_CACHE, ACTOR_ENGINE, ONE_GPU, "opencv", "baseline",
            "pyav_adaptive")
 DEFAULT_METHODS = (FIRST_RUN, "pyav_keyframes", EXPLICIT_BUDGET, COLD_CACHE, ACTOR_ENGINE)
 
@@ -114,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         ap.error(f"--methods: unknown {sorted(unknown)}; choose from {','.join(METHODS)}")
-    on_disk = {FIRST_RUN, EXPLICIT_BUDGET, COLD_CACHE, ACTOR_ENGINE}
+    on_disk = {FIRST_RUN, EXPLICIT_BUDGET, COLD_CACHE, ACTOR_ENGINE, ONE_GPU}
     if args.in_process_model and on_disk & set(args.methods.split(",")):
         ap.error(f"--in-process-model has no checkpoint on disk: drop {', '.join(sorted(on_disk))} from --methods")
     return args

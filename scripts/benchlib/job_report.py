@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import env as env_lib
-from .job_runs import ACTOR_ENGINE, COLD_CACHE, EXPLICIT_BUDGET, FIRST_RUN
+from .job_runs import ACTOR_ENGINE, COLD_CACHE, EXPLICIT_BUDGET, FIRST_RUN, ONE_GPU
 
 TARGETS = {"keyframes_vs_opencv": 2.0, "keyframes_vs_baseline": 3.0, "gpu_busy": 0.85, "overlap": 1.15,
            "cores_per_gpu": 2.0, "startup_s": 10.0, "rows_per_s_vs_streaming": 0.8,
@@ -32,6 +32,7 @@ def figures(methods: dict) -> dict:
             "keyframes_vs_opencv_streaming": ratio("pyav_keyframes", "opencv", "rows_per_s_streaming"),
             "default_vs_explicit_budget": ratio("pyav_keyframes", EXPLICIT_BUDGET),
             "startup_vs_actor_engine": ratio("pyav_keyframes", ACTOR_ENGINE, "startup_s"),
+            "all_gpus_vs_one_gpu": ratio("pyav_keyframes", ONE_GPU), "engines": per("engines"),
             "engine_placement": per("engine_placement"), "startup_s_per_method": per("startup_s"),
             "startup_s": keyframes.get("startup_s"), "load_s": keyframes.get("load_s"),
             "first_run_startup_s": ok.get(FIRST_RUN, {}).get("startup_s"),
@@ -82,6 +83,9 @@ def table(methods: dict) -> str:
         good = v <= target if key in AT_MOST else v >= target
         checks.append(f"{key} (keyframes) {v:.2f}: {'meets' if good else 'MISSES'} "
                       f"{'<=' if key in AT_MOST else '>='} {target:.3g}")
+    if fig["all_gpus_vs_one_gpu"] is not None:
+        checks.append(f"all GPUs vs one ({fig['engines'].get('pyav_keyframes')} engines vs "
+                      f"{fig['engines'].get(ONE_GPU)}): {fig['all_gpus_vs_one_gpu']:.2f}x the rows/s")
     return "\n".join(lines + [""] + checks)
 
 

@@ -3,6 +3,7 @@ outside, and its figures from the run's own --stats-json."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -17,12 +18,23 @@ from .measure import run_measured
 KERNEL_CACHE = kernel_cache_root()     # every engine's compiled kernels (batchjob.engine.device)
 
 # User-path runs besides one per loader: the job's first run on a fresh machine (no compiled kernels, the
-# checkpoint out of the page cache), and the shipped config with an explicit memory budget.
+# checkpoint out of the page cache), the shipped config with an explicit memory budget, and the job on the
+# machine's first GPU alone (the control of a machine with several).
 FIRST_RUN, EXPLICIT_BUDGET, ACTOR_ENGINE, COLD_CACHE = "first_run", "explicit_budget", "actor_engine", "cold_cache"
+ONE_GPU = "one_gpu"
 
 
-def run_job(args, name: str, cfg: dict, work: Path, job_clips: int) -> dict:
-    """`batchjob run CONFIG --stats-json S`, timed and sampled from outside."""
+def one_gpu_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a run that sees only the first of the GPUs this process sees (CUDA_VISIBLE_DEVICES'
+    first entry where it is set, else GPU 0): what a user who owns one such GPU runs."""
+    env = dict(os.environ if environ is None else environ)
+    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "0").split(",") if v.strip()]
+    env["CUDA_VISIBLE_DEVICES"] = visible[0] if visible else "0"
+    return env
+
+
+def run_job(args, name: str, cfg: dict, work: Path, job_clips: int, env: dict[str, str] | None = None) -> dict:
+    """`batchjob run CONFIG --stats-json S`, timed and sampled from outside (in `env`, default this process's)."""
     import yaml
 
     cfg_path = work / f"{name}.yaml"
@@ -31,7 +43,7 @@ def run_job(args, name: str, cfg: dict, work: Path, job_clips: int) -> dict:
     stats_path.unlink(missing_ok=True)
     kernels = count_files(KERNEL_CACHE)
     got = run_measured([sys.executable, "-m", "batchjob.cli", "run", str(cfg_path), "--stats-json", str(stats_path)],
-                       args.run_timeout_s)
+                       args.run_timeout_s, env=env)
     errors = error_samples(Path(cfg["output"]["directory"]))
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else None
     if got["returncode"] != 0 or stats is None:
@@ -61,7 +73,7 @@ def error_samples(output: Path, limit: int = 5) -> dict[str, int]:
 
 
 def run_user(args, name: str, checkpoint: Path, data: Dataset, work: Path) -> dict:
-    loader, limit, budget = name, None, None
+    loader, limit, budget, env = name, None, None, None
     if name == FIRST_RUN:
         loader, limit = "pyav_keyframes", args.first_run_clips * args.questions
         shutil.rmtree(KERNEL_CACHE, ignore_errors=True)
@@ -72,6 +84,8 @@ def run_user(args, name: str, checkpoint: Path, data: Dataset, work: Path) -> di
         loader, budget = "pyav_keyframes", args.explicit_budget_gb
     elif name == ACTOR_ENGINE:
         loader = "pyav_keyframes"
+    elif name == ONE_GPU:
+        loader, env = "pyav_keyframes", one_gpu_environment()
     elif name == COLD_CACHE:
         loader, limit = "pyav_keyframes", args.first_run_clips * args.questions
         read_s, read_bytes = timed_read(checkpoint)
@@ -82,7 +96,9 @@ def run_user(args, name: str, checkpoint: Path, data: Dataset, work: Path) -> di
                       shipped=MODELS[args.model].config)
     if name == ACTOR_ENGINE:
         cfg["runtime"]["engine_placement"] = "actors"
-    got = {"loader": loader, "explicit_budget_gb": budget, **run_job(args, name, cfg, work, data.info["clips"])}
+    got = {"loader": loader, "explicit_budget_gb": budget, **run_job(args, name, cfg, work, data.info["clips"], env)}
+    if env is not None:
+        got["cuda_visible_devices"] = env["CUDA_VISIBLE_DEVICES"]
     if name == COLD_CACHE:
         got["plain_read_s"] = read_s
         if got.get("startup_s") is not None:

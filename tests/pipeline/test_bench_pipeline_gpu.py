@@ -149,6 +149,44 @@ def test_figures_have_stable_keys_and_ratios_and_survive_a_failed_method():
     assert "gpu_busy (keyframes) 0.90: meets >= 0.85" in text
 
 
+def test_one_gpu_sees_the_first_visible_gpu_only():
+    assert job_runs.one_gpu_environment({"CUDA_VISIBLE_DEVICES": "2,3", "PATH": "/bin"}) == {
+        "CUDA_VISIBLE_DEVICES": "2", "PATH": "/bin"}
+    assert job_runs.one_gpu_environment({})["CUDA_VISIBLE_DEVICES"] == "0"
+    assert job_runs.one_gpu_environment({"CUDA_VISIBLE_DEVICES": " GPU-ab12 , GPU-cd34"})["CUDA_VISIBLE_DEVICES"] == \
+        "GPU-ab12"
+    assert job_runs.one_gpu_environment({"CUDA_VISIBLE_DEVICES": " , "})["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_the_one_gpu_run_is_the_headline_config_in_a_one_gpu_environment(monkeypatch, tmp_path):
+    """run_user for `one_gpu`: the shipped config with the headline loader, unchanged, run in an environment that
+    shows one GPU; the headline run keeps the caller's environment."""
+    calls = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    monkeypatch.setattr(job_runs, "user_config", lambda data, ckpt, loader, out, **kw: {
+        "loader": loader, "runtime": {}, **kw})
+    monkeypatch.setattr(job_runs, "run_job", lambda args, name, cfg, work, clips, env=None: calls.append(
+        (name, cfg, env)) or {"rows_per_s": 1.0})
+
+    class Data:
+        info = {"clips": 4}
+
+    args = bench.parse_args(["--methods", "pyav_keyframes,one_gpu"])
+    got = {m: job_runs.run_user(args, m, tmp_path, Data(), tmp_path) for m in ("pyav_keyframes", "one_gpu")}
+    (_, headline_cfg, headline_env), (_, one_cfg, one_env) = calls
+    assert headline_env is None and one_env["CUDA_VISIBLE_DEVICES"] == "1" and one_env["PATH"]
+    assert one_cfg == headline_cfg and one_cfg["loader"] == "pyav_keyframes"
+    assert got["one_gpu"]["cuda_visible_devices"] == "1" and "cuda_visible_devices" not in got["pyav_keyframes"]
+
+
+def test_all_gpus_against_one_in_the_figures_and_the_table():
+    runs = {"pyav_keyframes": {"rows_per_s": 9.0, "engines": 2}, "one_gpu": {"rows_per_s": 5.0, "engines": 1}}
+    fig = job_report.figures(runs)
+    assert fig["all_gpus_vs_one_gpu"] == pytest.approx(1.8) and fig["engines"] == {"pyav_keyframes": 2, "one_gpu": 1}
+    assert "all GPUs vs one (2 engines vs 1): 1.80x the rows/s" in job_report.table(runs)
+    assert job_report.figures({"pyav_keyframes": runs["pyav_keyframes"]})["all_gpus_vs_one_gpu"] is None
+
+
 def test_the_user_path_is_the_default_and_the_in_process_model_a_flag():
     args = bench.parse_args([])
     assert args.methods.split(",") == ["first_run", "pyav_keyframes", "explicit_budget", "cold_cache", "actor_engine"]
