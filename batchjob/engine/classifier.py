@@ -39,8 +39,8 @@ from .staging import StagingArea
 from .token_budget import (activation_bytes_per_token, auto_batched_tokens, language_model_shape,
                            reused_bytes_per_token)
 from .types import ClassifyRequest, ClassifyResult, EngineConfig, EngineError
-from .vision_attention import rotary_heads
 from .video_features import FeatureRows, VideoFeatureCache, tail_first_row
+from .vision_attention import rotary_heads
 
 log = logging.getLogger(__name__)
 

@@ -353,4 +353,5 @@ def test_the_layer_hands_the_rotated_stack_to_an_attention_that_reads_it(checkpo
     assert all(seen) if name.startswith("qwen2_5") else not any(seen)
     for g, w in zip(got, want):
         assert g.error is None and g.choice == w.choice
-        assert np.array_equal(np.array(g.logprobs), np.array(w.logprobs))
+        # to fp32 rounding: two calls, and the CPU's multi-threaded BLAS sums in a different order from run to run
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-5)

@@ -39,7 +39,7 @@ def test_engine_reports_device_dtype_and_backend(tiny_classifier):
     assert gpu_kind() is None, "these tests expect MLX's CPU build"
     assert clf.runtime.as_dict() == {"device": "cpu", "dtype": "float32", "attention_backend": "portable",
                                      "attention_reason": clf.runtime.attention_reason,
-                                     "fused_kernels": "none (no q/k norms in this model)"}
+                                     "fused_kernels": "none (portable forms on cpu)"}
     assert "no Metal device" in clf.runtime.attention_reason
 
 

@@ -1,8 +1,9 @@
 """The forward pass handed to MLX layer by layer (runner.LAYER_LAG): same answers and KV as the whole pass built
 first, and the host never more than `lag` layers ahead of the one it last waited for.
 
-Pacing only changes where MLX's evaluation is cut, never the ops: answers must match the unpaced pass exactly,
-including followers that read a prefix the paced pass wrote into the cache, and DeepStack's additions (Qwen3-VL)."""
+Pacing only changes where MLX's evaluation is cut, never the ops: answers must match the unpaced pass (the same
+choices and token counts; logprobs to fp32 rounding, as the CPU's multi-threaded BLAS gives them), including
+followers that read a prefix the paced pass wrote into the cache, and DeepStack's additions (Qwen3-VL)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ def test_paced_forward_answers_exactly_as_the_whole_pass(checkpoint_dir, rng, ma
         for got, want in zip(answers[lag], answers[0]):
             assert (got.choice, got.prompt_tokens, got.cached_tokens) == (want.choice, want.prompt_tokens,
                                                                           want.cached_tokens)
-            assert np.array_equal(np.array(got.logprobs), np.array(want.logprobs)), (lag, got.request_id)
+            # to fp32 rounding: the same graph, but the CPU's multi-threaded BLAS sums in a different order from run
+            # to run (bit for bit with OPENBLAS_NUM_THREADS=1); a layer run twice or skipped is far off
+            np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-5,
+                                       err_msg=f"{lag} {got.request_id}")
 
 
 @pytest.mark.parametrize("lag", [0, 1, 2])
