@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from benchlib.flops import vision_flops_per_clip  # noqa: E402
 from benchlib.gpu_monitor import GpuMonitor, monitored_report  # noqa: E402
 from benchlib.profile_tower import towers_seconds  # noqa: E402
 from benchlib.timing import ms_per_call  # noqa: E402
-from benchlib.workload import build_model, make_workload  # noqa: E402
+from benchlib.workload import diag_engine, make_workload  # noqa: E402
 
 from batchjob.synthetic.random_engine import SHAPES  # noqa: E402
 
@@ -74,15 +73,11 @@ def _run(args, report: dict, gpu: GpuMonitor) -> None:
 
     with gpu.section("ceiling"):
         report["matmul_ceiling_tflops"] = mlx_matmul_ceiling(512 if args.smoke else 8192) / 1e12
-    tmp = Path(tempfile.mkdtemp())
     for model_type in args.model:
-        dims = dict(SHAPES[model_type][1 if args.smoke else 0])
-        v_layers = args.vision_layers or dims["v_depth"]
-        engine = dict(device="auto" if args.smoke else "gpu", max_model_len=8192)
-        frames, size = (4, (56, 56)) if args.smoke else (16, (448, 448))
-        bench = build_model(model_type, dims, 2 if args.smoke else 1, v_layers, frames, size, tmp,
-                            "float32" if args.smoke else "bfloat16", engine)
-        clf, ckpt = bench.classifier, bench.checkpoint
+        diag = diag_engine(model_type, smoke=args.smoke, layers=2 if args.smoke else 1, buckets=None, tag="tower",
+                           vision_layers=args.vision_layers)   # few decoder layers: only the tower is timed
+        bench, frames, size = diag.bench, diag.frames, diag.size
+        clf, ckpt, dims, v_layers = bench.classifier, bench.checkpoint, bench.dims, bench.vision_layers
         print(f"[{model_type}] {v_layers} vision blocks; fused kernels: {clf.fused_kernels.summary()}", flush=True)
         clips = [r.clip.inputs for r in make_workload(bench, np.random.default_rng(0), 8, 1, frames, size, "t")]
         flops = vision_flops_per_clip(clips[0].grid_thw, v_layers, model_type, dims)

@@ -13,7 +13,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -246,9 +245,8 @@ def section_table(sections: dict[str, dict]) -> str:
 def monitored_report(name: str, args, run, modules: tuple[str, ...] = ("mlx.core", "mlx_vlm")) -> Path:
     """A diagnostic's whole run: the environment and its arguments, what `run(args, report, gpu)` adds to the
     report while one monitor streams, and the monitor's summary, saved to `<args.out>/<name>.json`."""
-    script = Path(sys.argv[0]).name
-    report: dict = {"environment": environment(modules), "args": vars(args),
-                    "command": " ".join([script, *sys.argv[1:]])}
+    env = environment(modules)
+    report: dict = {"environment": env, "args": vars(args), "command": env["command"]}
     with GpuMonitor() as gpu:
         run(args, report, gpu)
     report["gpu_monitor"] = gpu.as_dict()

@@ -149,10 +149,12 @@ def add_diag_arguments(ap) -> None:
     ap.add_argument("--json", type=Path, default=None)
 
 
-def diag_engine(model_type: str, *, smoke: bool, layers: int | None, buckets: int | None, tag: str) -> DiagEngine:
+def diag_engine(model_type: str, *, smoke: bool, layers: int | None, buckets: int | None, tag: str,
+                vision_layers: int | None = None) -> DiagEngine:
     """`build_model` as the diagnostics run it: bf16 on the GPU (float32 on the CPU for `smoke`), 16 frames at
     448x448 (4 at 56x56), the engine's own token budget; `buckets` (None: the engine's setting) replaces the
-    portable attention's shape buckets (`attention_plan.bucketed`)."""
+    portable attention's shape buckets (`attention_plan.bucketed`); `layers` / `vision_layers` cut the depths
+    (None: the published ones)."""
     import functools
     import tempfile
 
@@ -164,7 +166,7 @@ def diag_engine(model_type: str, *, smoke: bool, layers: int | None, buckets: in
     engine = dict(device="auto" if smoke else "gpu", max_model_len=8192, memory_budget_gb=None,
                   max_num_batched_tokens="auto")
     tmp = Path(tempfile.mkdtemp(prefix=f"bj-{tag}-"))
-    bench = build_model(model_type, dims, layers or dims["layers"], dims["v_depth"], frames, size, tmp,
+    bench = build_model(model_type, dims, layers or dims["layers"], vision_layers or dims["v_depth"], frames, size, tmp,
                         "float32" if smoke else "bfloat16", engine)
     clf = bench.classifier
     fn = getattr(clf._attention, "fn", clf._attention)   # the portable path, bare or with the GPU's settings
