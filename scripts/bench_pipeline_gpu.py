@@ -41,7 +41,7 @@ Written to `<out>/pipeline-<model>-<gpu>-<date>.json` after every method.
     scripts/netns.sh bash -c 'source scripts/env.sh; python scripts/bench_pipeline_gpu.py --smoke --explicit-budget-gb 4'
     python3 scripts/bench_pipeline_gpu.py --out $OUT --cache /tmp/bjcache          # on the GPU machine
     python3 scripts/bench_pipeline_gpu.py --model qwen3_vl --out $OUT --cache /tmp/bjcache
-    python3 scripts/bench_pipeline_gpu.py --methods pyav_keyframes,one_gpu --out $OUT   # a machine with 2+ GPUs
+    python3 scripts/bench_pipeline_gpu.py --clips 768 --methods first_run,pyav_keyframes,one_gpu --out $OUT  # 2+ GPUs
 """
 from __future__ import annotations
 

@@ -35,6 +35,23 @@ def mlx_matmul_ceiling_synced(n: int = 8192) -> float:
     return mlx_matmul_ceiling(n, reps=10, inner=1, warmup=3)
 
 
+def mlx_matmul_ceiling_sustained(n: int = 8192, seconds: float = 10.0, inner: int = 10) -> float:
+    """The same matmuls back to back for `seconds`, FLOP/s over the second half: the rate the board holds once its
+    power cap has pulled the clocks down, as it does through a job's seconds of prefill. The start's short reading
+    runs at idle clocks; a job of several seconds cannot, so its ideal time by that reading is out of reach."""
+    import mlx.core as mx
+
+    a = mx.random.normal((n, n)).astype(mx.bfloat16)
+    b = mx.random.normal((n, n)).astype(mx.bfloat16)
+    mx.eval(a, b)
+    stamps = [time.perf_counter()]
+    while stamps[-1] - stamps[0] < seconds or len(stamps) < 5:
+        mx.eval([a @ b for _ in range(inner)])
+        stamps.append(time.perf_counter())
+    half = len(stamps) // 2
+    return 2 * n**3 * inner * (len(stamps) - 1 - half) / (stamps[-1] - stamps[half])
+
+
 def mlx_copy_bandwidth(nbytes: int = 2**30, reps: int = 5, inner: int = 10, warmup: int = 2) -> float:
     """Bytes/s an elementwise pass moves in MLX on its default device (`x + 1` over `nbytes` of fp32: read once,
     written once), `inner` passes queued per sync, median of `reps`: the memory-bound parts' ceiling, recorded

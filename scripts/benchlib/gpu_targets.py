@@ -18,8 +18,11 @@ PROFILE = ("lm_forwards_per_prefill", "lm_layer_ms", "lm_layer_matmuls_share", "
            "mlx_vlm_vision_host_syncs", "engine_steps", "engine_forward_share", "engine_vision_graph_host_s",
            "engine_other_host_s", "engine_between_steps_host_s")
 # Shown beside the stable figures, with no target of their own: mlx-vlm's forward on the same tokens (the LM
-# target's "at least mlx-vlm's contiguous figure") and the LM prefill with its prompts staged as the job stages them.
-COMPANIONS = ("mfu_lm_mlx_vlm_contiguous", "mfu_lm_prefill_staged", "mfu_lm_prefill_ragged_staged")
+# target's "at least mlx-vlm's contiguous figure"), the LM prefill with its prompts staged as the job stages them,
+# the job's wall time against the ceiling the board holds for seconds (power-capped clocks), and the most the
+# distinct-clips figure could be (its 8 requests in their ideal time).
+COMPANIONS = ("mfu_lm_mlx_vlm_contiguous", "mfu_lm_prefill_staged", "mfu_lm_prefill_ragged_staged",
+              "wall_vs_ideal_sustained_ceiling", "distinct8_ideal_vs_transformers_batched")
 MODELS = {"qwen2_5_vl": "", "qwen3_vl": "qwen3_vl."}   # model -> the prefix of its figures' keys
 
 
@@ -62,6 +65,7 @@ def machine(report: dict) -> dict:
     return {"gpu": env.get("gpu"), "uuid": details.get("uuid"), "power_limit": details.get("enforced.power.limit"),
             "ceiling_tflops": report.get("matmul_ceiling_tflops", {}).get("mlx"),
             "ceiling_at_end_tflops": report.get("matmul_ceiling_tflops", {}).get("mlx_at_end"),
+            "ceiling_sustained_tflops": report.get("matmul_ceiling_tflops", {}).get("mlx_sustained"),
             "memory_gbps": report.get("memory_bandwidth_gbps", {}).get("mlx_copy"),
             "sm_mhz_engine": _section_clock(sections, engine_sections),
             "sm_mhz_ceilings": _section_clock(sections, ("ceilings",)),
@@ -92,13 +96,14 @@ def _cell(v, spec: str = ".3f") -> str:
 def tables(names: list[str], reports: list[dict]) -> str:
     """The machines' table, then the figures' (markdown)."""
     rows = [machine(r) for r in reports]
-    lines = ["| run | GPU | UUID | power limit | MLX ceiling TFLOP/s (at the end) | memory GB/s | SM MHz: ceilings / "
-             "engine | slowdowns (share of samples) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | GPU | UUID | power limit | MLX ceiling TFLOP/s (at the end; held for seconds) | memory GB/s | "
+             "SM MHz: ceilings / engine | slowdowns (share of samples) |", "|---|---|---|---|---|---|---|---|"]
     for name, m in zip(names, rows):
         slow = "n/a" if m["slowdowns"] is None else ", ".join(
             f"{k} {v:.0%}" for k, v in m["slowdowns"].items()) or "none seen"
         lines.append(f"| {name} | {m['gpu']} | {_cell(m['uuid'])} | {_cell(m['power_limit'])} | "
-                     f"{_cell(m['ceiling_tflops'], '.0f')} ({_cell(m['ceiling_at_end_tflops'], '.0f')}) | "
+                     f"{_cell(m['ceiling_tflops'], '.0f')} ({_cell(m['ceiling_at_end_tflops'], '.0f')}; "
+                     f"{_cell(m['ceiling_sustained_tflops'], '.0f')}) | "
                      f"{_cell(m['memory_gbps'], '.0f')} | {_cell(m['sm_mhz_ceilings'], '.0f')} / "
                      f"{_cell(m['sm_mhz_engine'], '.0f')} | {slow} |")
     lines += ["", "| figure | " + " | ".join(names) + " | median | max / min | target | met on the median |",

@@ -127,7 +127,7 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
     assert (tmp_path / "partial-Lall-Vall.json").is_file()
     monitor, sections = report["gpu_monitor"], report["gpu_monitor"]["sections"]
     assert monitor["problem"] is None and monitor["whole_run"]["sm_mhz_median"] == 1000
-    want = {"ceilings", "ceiling at the end"} | {f"{m} {name}" for m in MODELS
+    want = {"ceilings", "sustained ceiling", "ceiling at the end"} | {f"{m} {name}" for m in MODELS
                                                  for name in ("build", "vision", "lm_profile", "transformers")}
     assert want <= set(sections)
     assert sum(got.get("samples", 0) for name, got in sections.items() if name.startswith("qwen")) > 0
@@ -137,3 +137,10 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
     assert len(judged) == 2 * (len(STABLE) + len(COMPANIONS)) and all(row["spread"] == 1.0 for row in judged.values())
     ceilings = report["matmul_ceiling_tflops"]   # the start's reading divides the figures; the end's is recorded
     assert ceilings["mlx"] > 0 and ceilings["mlx_at_end"] > 0 and ceilings["mlx_synced"] > 0
+    assert ceilings["mlx_sustained"] > 0
+    for prefix in ("", "qwen3_vl."):   # the companions that say how much of a miss is the denominator
+        ceiling_ratio = ceilings["mlx_sustained"] / ceilings["mlx"]
+        assert figures[prefix + "wall_vs_ideal_sustained_ceiling"] == pytest.approx(
+            figures[prefix + "wall_vs_ideal"] * ceiling_ratio)
+        assert figures[prefix + "distinct8_ideal_vs_transformers_batched"] == pytest.approx(
+            figures[prefix + "distinct8_vs_transformers_batched"] * figures[prefix + "distinct8_wall_vs_ideal"])
