@@ -39,6 +39,7 @@ from benchlib.ceilings import (median, mlx_copy_bandwidth, mlx_matmul_ceiling, m
                                mlx_matmul_ceiling_synced, torch_matmul_ceiling)
 from benchlib.flops import request_flops, vision_flops_per_clip
 from benchlib.gpu_monitor import GpuMonitor, section_table
+from benchlib.gpu_targets import wall_gap
 from benchlib.hf_baseline import transformers_baseline
 from benchlib.profile_lm import profile_lm
 from benchlib.profile_tower import profile_tower, towers_seconds
@@ -277,6 +278,7 @@ def figures(row: dict, ceil_m: float, ceil_t: float, ceil_s: float) -> dict:
         "wall_vs_ideal": eng["wall_s"] / eng["ideal_s"],
         "wall_vs_ideal_torch_ceiling": eng["wall_s"] / (eng["job_flops"] / ceil_t),
         "wall_vs_ideal_sustained_ceiling": eng["wall_s"] / (eng["job_flops"] / ceil_s),
+        **wall_gap(row, ceil_m),   # wall_vs_ideal - 1 split: the towers, the LM's forwards, the rest
         "distinct8_requests_per_s": eng["distinct8_requests_per_s"],
         "distinct8_wall_vs_ideal": eng["distinct8_wall_s"] / eng["distinct8_ideal_s"],
         # the same job with every run's questions 0-7 words longer (as a job's differ): new shapes in every run

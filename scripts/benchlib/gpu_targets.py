@@ -23,6 +23,8 @@ PROFILE = ("lm_forwards_per_prefill", "lm_layer_ms", "lm_layer_matmuls_share", "
 # distinct-clips figure could be (its 8 requests in their ideal time).
 COMPANIONS = ("mfu_lm_mlx_vlm_contiguous", "mfu_lm_prefill_staged", "mfu_lm_prefill_ragged_staged",
               "wall_vs_ideal_sustained_ceiling", "distinct8_ideal_vs_transformers_batched")
+# Where the job's wall time beyond its ideal goes, each a share of the ideal (the three sum to wall_vs_ideal - 1).
+WALL_GAP = ("wall_gap_towers", "wall_gap_lm", "wall_gap_rest")
 MODELS = {"qwen2_5_vl": "", "qwen3_vl": "qwen3_vl."}   # model -> the prefix of its figures' keys
 
 
@@ -49,6 +51,33 @@ def target(model: str, key: str) -> Target | None:
     return _VISION[model] if key == "mfu_vision" else _TARGETS.get(key)
 
 
+def wall_gap(row: dict, ceiling: float) -> dict:
+    """The 64 x 4 job's time beyond its ideal (`ceiling` in FLOP/s), split three ways, each a share of the ideal:
+    the towers at their pipelined rate against their FLOPs at the ceiling; the LM's FLOPs at the profiled forward's
+    MFU against the ceiling; and the rest, which neither explains (the device waiting on the host, the first
+    step's start, the calls' own work). A model row of a bench_gpu results file is enough: older files get it too."""
+    eng, vis = row["engine"], row["vision"]
+    clips, ideal = row["workload"]["clips"], eng["ideal_s"]
+    towers_ideal = clips * vis["flops_per_clip"] / ceiling
+    towers = clips * vis["ms_per_clip"] / 1e3
+    lm_ideal = ideal - towers_ideal
+    lm = lm_ideal / row["lm_profile"]["mfu_forward"]
+    return {"wall_gap_towers": (towers - towers_ideal) / ideal, "wall_gap_lm": (lm - lm_ideal) / ideal,
+            "wall_gap_rest": (eng["wall_s"] - towers - lm) / ideal}
+
+
+def _figure(report: dict, model: str, key: str) -> float | None:
+    """A run's figure; the wall-time split computed from the run's rows where the file predates it."""
+    got = report.get("figures", {}).get(MODELS[model] + key)
+    if got is None and key in WALL_GAP:
+        try:
+            row = report if model == "qwen2_5_vl" else report[model]
+            got = wall_gap(row, report["matmul_ceiling_tflops"]["mlx"] * 1e12)[key]
+        except (KeyError, TypeError, ZeroDivisionError):
+            return None
+    return got
+
+
 def _section_clock(sections: dict, names: tuple[str, ...]) -> float | None:
     clocks = [sections[n]["sm_mhz_median"] for n in names if sections.get(n, {}).get("sm_mhz_median") is not None]
     return statistics.median(clocks) if clocks else None
@@ -73,12 +102,12 @@ def machine(report: dict) -> dict:
 
 
 def compare(reports: list[dict]) -> dict:
-    """Each model's stable figures (and their COMPANIONS) over the runs: the runs' values, their median and
-    spread, and the target judged on the median (a run without the figure is left out of its median)."""
+    """Each model's stable figures (with their COMPANIONS and WALL_GAP) over the runs: the runs' values, their
+    median and spread, and the target judged on the median (a run without the figure is left out of its median)."""
     out: dict = {}
     for model, prefix in MODELS.items():
-        for key in STABLE + COMPANIONS:
-            values = [r.get("figures", {}).get(prefix + key) for r in reports]
+        for key in STABLE + COMPANIONS + WALL_GAP:
+            values = [_figure(r, model, key) for r in reports]
             present = [v for v in values if isinstance(v, (int, float))]
             if not present:
                 continue

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchlib import flops  # noqa: E402
-from benchlib.gpu_targets import COMPANIONS, PROFILE, STABLE, compare  # noqa: E402
+from benchlib.gpu_targets import COMPANIONS, PROFILE, STABLE, WALL_GAP, compare  # noqa: E402
 
 MODELS = ["qwen2_5_vl", "qwen3_vl"]
 
@@ -134,7 +134,8 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
     assert report["environment"]["gpu_details"]["uuid"] == "GPU-fake-0001"
     assert report["memory_bandwidth_gbps"]["mlx_copy"] > 0
     judged = compare([report, report])   # scripts/compare_gpu_runs.py reads the file as written
-    assert len(judged) == 2 * (len(STABLE) + len(COMPANIONS)) and all(row["spread"] == 1.0 for row in judged.values())
+    assert len(judged) == 2 * (len(STABLE) + len(COMPANIONS) + len(WALL_GAP))
+    assert all(row["runs"][0] == row["runs"][1] == row["median"] for row in judged.values())
     ceilings = report["matmul_ceiling_tflops"]   # the start's reading divides the figures; the end's is recorded
     assert ceilings["mlx"] > 0 and ceilings["mlx_at_end"] > 0 and ceilings["mlx_synced"] > 0
     assert ceilings["mlx_sustained"] > 0
@@ -142,5 +143,7 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
         ceiling_ratio = ceilings["mlx_sustained"] / ceilings["mlx"]
         assert figures[prefix + "wall_vs_ideal_sustained_ceiling"] == pytest.approx(
             figures[prefix + "wall_vs_ideal"] * ceiling_ratio)
+        gap = [figures[prefix + k] for k in ("wall_gap_towers", "wall_gap_lm", "wall_gap_rest")]
+        assert sum(gap) == pytest.approx(figures[prefix + "wall_vs_ideal"] - 1)
         assert figures[prefix + "distinct8_ideal_vs_transformers_batched"] == pytest.approx(
             figures[prefix + "distinct8_vs_transformers_batched"] * figures[prefix + "distinct8_wall_vs_ideal"])

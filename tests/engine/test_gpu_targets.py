@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from benchlib.gpu_targets import MODELS, STABLE, compare, machine, tables, target  # noqa: E402
+from benchlib.gpu_targets import MODELS, STABLE, compare, machine, tables, target, wall_gap  # noqa: E402
 
 WANT = {"mfu_lm_prefill": (">=", 0.88), "mfu_lm_prefill_ragged": (">=", 0.88), "wall_vs_ideal": ("<=", 1.3),
         "distinct8_vs_transformers_batched": (">=", 3.0), "engine_attention_planned_vs_padded_follower": (">=", 1.0)}
@@ -90,3 +90,50 @@ def test_the_script_on_files_and_on_a_partial_file(rng, tmp_path):
     partial.write_text(json.dumps({"environment": {}}))
     done = subprocess.run([sys.executable, script, str(partial)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "partial.json: no `figures`" in done.stderr
+
+
+def _job_row(rng) -> tuple[dict, dict, float]:
+    """A model row built from chosen rates: the towers at MFU `towers`, the LM's forward at `lm`, `rest` seconds
+    on top; returns the row, the chosen parts and the ceiling (FLOP/s)."""
+    ceiling, clips = float(rng.uniform(5e14, 8e14)), int(rng.integers(8, 129))
+    per_clip, lm_flops = float(rng.uniform(3e12, 12e12)), float(rng.uniform(1e15, 3e15))
+    parts = {"towers": float(rng.uniform(0.3, 0.9)), "lm": float(rng.uniform(0.7, 1.0)),
+             "rest": float(rng.uniform(0, 1))}
+    wall = clips * per_clip / (parts["towers"] * ceiling) + lm_flops / (parts["lm"] * ceiling) + parts["rest"]
+    row = {"workload": {"clips": clips}, "lm_profile": {"mfu_forward": parts["lm"]},
+           "vision": {"flops_per_clip": per_clip, "ms_per_clip": per_clip / (parts["towers"] * ceiling) * 1e3},
+           "engine": {"wall_s": wall, "ideal_s": (clips * per_clip + lm_flops) / ceiling}}
+    return row, {**parts, "clips": clips, "per_clip": per_clip, "lm_flops": lm_flops}, ceiling
+
+
+def test_the_wall_gap_splits_wall_vs_ideal_into_towers_lm_and_rest(rng):
+    row, want, ceiling = _job_row(rng)
+    ideal = row["engine"]["ideal_s"]
+    got = wall_gap(row, ceiling)
+    towers_ideal = want["clips"] * want["per_clip"] / ceiling
+    assert got["wall_gap_towers"] == pytest.approx(towers_ideal * (1 / want["towers"] - 1) / ideal)
+    assert got["wall_gap_lm"] == pytest.approx(want["lm_flops"] / ceiling * (1 / want["lm"] - 1) / ideal)
+    assert got["wall_gap_rest"] == pytest.approx(want["rest"] / ideal)
+    assert sum(got.values()) == pytest.approx(row["engine"]["wall_s"] / ideal - 1)
+
+
+def test_compare_splits_the_wall_gap_of_files_that_predate_it(rng):
+    """Older results files have the rows but not the figures: compare computes them; a file's own figure wins."""
+    reports = []
+    for _ in range(3):
+        report = _report(rng)
+        row, _, _ = _job_row(rng)
+        report.update(row)
+        report["qwen3_vl"] = _job_row(rng)[0]
+        reports.append(report)
+    reports[1]["figures"]["qwen3_vl.wall_gap_rest"] = 0.123
+    got = compare(reports)
+    for i, report in enumerate(reports):
+        ceiling = report["matmul_ceiling_tflops"]["mlx"] * 1e12
+        assert got["wall_gap_towers"]["runs"][i] == pytest.approx(wall_gap(report, ceiling)["wall_gap_towers"])
+        if i != 1:
+            assert got["qwen3_vl.wall_gap_rest"]["runs"][i] == pytest.approx(
+                wall_gap(report["qwen3_vl"], ceiling)["wall_gap_rest"])
+    assert got["qwen3_vl.wall_gap_rest"]["runs"][1] == 0.123 and got["wall_gap_lm"]["target"] is None
+    del reports[0]["lm_profile"]   # a file without the profile: that run is left out, not an error
+    assert compare(reports)["wall_gap_lm"]["runs"][0] is None
