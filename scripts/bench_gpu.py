@@ -193,6 +193,12 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save, gpu: GpuMo
         t0 = time.perf_counter()
         whole(workload, "e2e-steps")
         steps = summarize_steps(log, time.perf_counter() - t0)
+    gpu_idle = None
+    if args.cupti:   # one more run under CUPTI: the GPU's idle time within it, charged to the host's phase then
+        from benchlib.cupti import engine_phases, traced_idle
+        (gpu_idle,) = traced_idle(lambda: whole(workload, "e2e-cupti"), engine_phases(clf, (clf, "classify")))
+        print(f"[{model_type}] under CUPTI: wall {gpu_idle['wall_ms']:.0f} ms, GPU busy "
+              f"{gpu_idle['gpu_busy_ms']:.0f}, idle by phase {gpu_idle['idle_ms']}", flush=True)
     d_s, _ = timed(lambda: whole(distinct, f"d{time.perf_counter()}"), args.repeats)
     rng_vary, varied = np.random.default_rng(1), []   # the same job with questions a few words longer, drawn anew
     v_s, _ = timed(lambda: varied.append(whole(vary_questions(workload, rng_vary), f"v{len(varied)}")), args.repeats)
@@ -209,7 +215,7 @@ def run_model(model_type: str, args, ceiling: float, tmp: Path, save, gpu: GpuMo
                      "job_flops": job_flops, "ideal_s": job_flops / ceiling, "distinct8_wall_s": d_s,
                      "distinct8_requests_per_s": len(distinct) / d_s, "distinct8_ideal_s": d_flops / ceiling,
                      "varied_wall_s": v_s, "varied_requests_per_s": n / v_s, "varied_ideal_s": varied_flops / ceiling,
-                     "timeline": steps}
+                     "timeline": steps, "gpu_idle": gpu_idle}
     print(f"[{model_type}] engine: {n} requests in {e2e_s:.2f} s ({n / e2e_s:.1f} req/s); ideal "
           f"{job_flops / ceiling:.2f} s; {len(distinct)} distinct clips {d_s:.2f} s", flush=True)
     lap("end_to_end")
@@ -321,6 +327,8 @@ def figures(row: dict, ceil_m: float, ceil_t: float, ceil_s: float) -> dict:
                 fig[f"engine_attention_vs_padded_{case}"] = r["sdpa_padded_ms"] / r["engine_attention_ms"]
                 fig[f"engine_attention_planned_vs_padded_{case}"] = (r["sdpa_padded_ms"]
                                                                      / r["engine_attention_planned_ms"])
+    if eng.get("gpu_idle"):   # --cupti: the share of the run's wall time the GPU had nothing to do
+        fig["engine_gpu_idle_share"] = sum(eng["gpu_idle"]["idle_ms"].values()) / eng["gpu_idle"]["wall_ms"]
     hf = row.get("transformers")
     if hf:
         fig["transformers_sequential_requests_per_s"] = 1 / hf["sequential_s_per_request"]
@@ -357,6 +365,8 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--hf-batches", type=int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--cupti", action="store_true", help="one more run of the 64 x 4 job under torch.profiler: "
+                        "the GPU's idle time in it by host phase (engine.gpu_idle)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--smoke", action="store_true", help="tiny dims, fp32, on any device: checks the script runs")
     args = parser.parse_args()

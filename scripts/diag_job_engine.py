@@ -134,40 +134,15 @@ def answer_all(engine, batches: list, stage: bool = True, after=None) -> list[fl
     return ms
 
 
-def forward_label(model, batch, *args, **kwargs) -> str:
-    """A pass of a call's new prompts, or of followers only, each over a cached video."""
-    followers = all(s.seq.num_computed > s.seq.video_span[0] for s in batch)
-    return "forward: followers" if followers else "forward: prompts"
-
-
 def gpu_idle(engine, batches: list, stage: bool = True) -> list[dict]:
     """Each batch answered under torch.profiler (CUPTI), the engine's host phases marked: per call its wall, the
     GPU's busy time and its idle time by phase (`benchlib.cupti.idle_by_phase`). Prints a line per call and the
     medians."""
     import statistics
-    import tempfile
 
-    import mlx.core as mx
-    from torch.profiler import ProfilerActivity, profile
+    from benchlib.cupti import engine_phases, traced_idle
 
-    from batchjob.engine import classifier as classifier_module
-    from batchjob.engine import runner
-    from batchjob.engine.scheduler import Scheduler
-    from benchlib.cupti import idle_by_phase, marked
-
-    clf = engine._clf
-    phases = [(engine, "answer", "call"), (clf, "_start_towers", "towers first"), (clf, "_prepare", "prepare"),
-              (Scheduler, "schedule", "schedule"), (Scheduler, "finish_step", "finish step"),
-              (clf, "_video_rows", "video rows"), (classifier_module, "_result", "results"),
-              (runner, "build_attention_metadata", "forward: metadata"), (runner, "_embed", "forward: embed"),
-              (runner, "_video_injection", "forward: video rows"), (mx, "eval", "waits (mx.eval)"),
-              (classifier_module, "forward", forward_label)]
-    phases = [p for p in phases if hasattr(p[0], p[1])]   # an older engine's A/B copy may lack a phase
-    trace = Path(tempfile.mkdtemp(prefix="bj-job-cupti-")) / "trace.json"
-    with marked(phases), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        answer_all(engine, batches, stage)
-    prof.export_chrome_trace(str(trace))
-    rows = idle_by_phase(trace)
+    rows = traced_idle(lambda: answer_all(engine, batches, stage), engine_phases(engine._clf, (engine, "answer")))
     for i, r in enumerate(rows):
         print(f"call {i}: wall {r['wall_ms']:.1f} ms, GPU busy {r['gpu_busy_ms']:.1f}, idle by phase {r['idle_ms']}",
               flush=True)

@@ -114,3 +114,44 @@ def marked(targets: list[tuple[object, str, str | Callable[..., str]]]) -> Itera
             setattr(owner, attr, recorded(real, label))
             undo.callback(setattr, owner, attr, real)
         yield
+
+
+def forward_label(model, batch, *args, **kwargs) -> str:
+    """A pass of a call's new prompts, or of followers only, each over a cached video."""
+    followers = all(s.seq.num_computed > s.seq.video_span[0] for s in batch)
+    return "forward: followers" if followers else "forward: prompts"
+
+
+def engine_phases(clf, call: tuple[object, str]) -> list[tuple[object, str, str | Callable[..., str]]]:
+    """The engine's host phases to mark (`marked`) around a classifier `clf`, with `call` = (owner, attribute) of
+    the call whose wall time is charged (the job engine's `answer`, or the classifier's own `classify`)."""
+    import mlx.core as mx
+
+    from batchjob.engine import classifier as classifier_module
+    from batchjob.engine import runner
+    from batchjob.engine.scheduler import Scheduler
+
+    phases = [(*call, "call"), (clf, "_start_towers", "towers first"), (clf, "_prepare", "prepare"),
+              (Scheduler, "schedule", "schedule"), (Scheduler, "finish_step", "finish step"),
+              (clf, "_video_rows", "video rows"), (classifier_module, "_result", "results"),
+              (runner, "build_attention_metadata", "forward: metadata"), (runner, "_embed", "forward: embed"),
+              (runner, "_video_injection", "forward: video rows"), (mx, "eval", "waits (mx.eval)"),
+              (classifier_module, "forward", forward_label)]
+    return [p for p in phases if hasattr(p[0], p[1])]   # an older engine's A/B copy may lack a phase
+
+
+def traced_idle(run: Callable[[], object], phases: list) -> list[dict]:
+    """`run()` under torch.profiler (CUPTI) with `phases` marked: per call, its wall, the GPU's busy time and its
+    idle time by phase (`idle_by_phase`)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    trace = Path(tempfile.mkdtemp(prefix="bj-cupti-")) / "trace.json"
+    with marked(phases), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+    prof.export_chrome_trace(str(trace))
+    try:
+        return idle_by_phase(trace)
+    finally:
+        trace.unlink(missing_ok=True)

@@ -80,7 +80,7 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
     cmd = [sys.executable, "-c", RUN_WITHOUT_PIPELINE_PACKAGES, str(ROOT / "scripts" / "bench_gpu.py"), "--smoke",
            "--model", *MODELS, "--clips", "2", "--questions", "2", "--distinct", "3", "--frames", "4", "--size", "112",
            "112", "--repeats", "1", "--inner", "1", "--hf-sequential", "1", "--hf-batch", "2", "--hf-batches", "1",
-           "--out", str(tmp_path)]
+           "--cupti", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     (path,) = tmp_path.glob("*-qwen2_5_vl-qwen3_vl-*.json")
@@ -115,6 +115,11 @@ def test_bench_gpu_smoke_writes_every_figure_and_profile_key(tmp_path, fake_nvid
         assert vp["block_kinds"] and vp["steps_ms"]["patch_embed"] > 0
         assert row["attention"]["follower"]["engine_attention_sdpa_calls"] >= 1
         assert row["engine"]["varied_ideal_s"] > row["engine"]["ideal_s"]   # longer questions: more FLOPs
+        idle = row["engine"]["gpu_idle"]   # --cupti: no GPU here, so the whole run is the GPU's idle time
+        assert idle["gpu_busy_ms"] == 0 and sum(idle["idle_ms"].values()) == pytest.approx(idle["wall_ms"], rel=0.01)
+        assert {"towers first", "prepare", "schedule", "forward: prompts", "results"} <= set(idle["idle_ms"])
+        assert figures[("" if model_type == "qwen2_5_vl" else "qwen3_vl.") + "engine_gpu_idle_share"] == \
+            pytest.approx(1.0, rel=0.01)
         tl = row["engine"]["timeline"]   # the step timeline: one entry per step, device work a share of the run
         assert tl["steps"] == len(tl["tokens_per_step"]) >= 1 and 0 < figures[
             ("" if model_type == "qwen2_5_vl" else "qwen3_vl.") + "engine_forward_share"] <= 1
