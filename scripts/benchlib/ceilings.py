@@ -38,7 +38,8 @@ def mlx_matmul_ceiling_synced(n: int = 8192) -> float:
 def mlx_matmul_ceiling_sustained(n: int = 8192, seconds: float = 10.0, inner: int = 10) -> float:
     """The same matmuls back to back for `seconds`, FLOP/s over the second half: the rate the board holds once its
     power cap has pulled the clocks down, as it does through a job's seconds of prefill. The start's short reading
-    runs at idle clocks; a job of several seconds cannot, so its ideal time by that reading is out of reach."""
+    runs at idle clocks, which a job of several seconds does not keep: this says how much of a wall-time miss
+    that denominator accounts for."""
     import mlx.core as mx
 
     a = mx.random.normal((n, n)).astype(mx.bfloat16)
