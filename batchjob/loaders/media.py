@@ -118,9 +118,14 @@ def open_video(source: Source, label: str) -> Iterator[tuple[av.container.InputC
             kinds = sorted({s.type for s in container.streams}) or ["nothing"]
             raise UnsupportedMedia(label, f"no video stream (it holds {', '.join(kinds)}); pass a video file")
         stream = container.streams.video[0]
-        codec = stream.codec_context.name
+        # FFmpeg can probe a stream whose codec it has no decoder for: PyAV then gives it no codec context
+        codec = stream.codec_context.name if stream.codec_context is not None else None
         if fmt in _STILL_FORMATS or fmt.endswith("_pipe") or codec in _TEXT_CODECS:
-            raise UnsupportedMedia(label, f"this is a still image or text ({fmt}/{codec}), not a video clip")
+            raise UnsupportedMedia(label, f"this is a still image or text ({fmt}/{codec or 'no decoder'}), "
+                                          "not a video clip")
+        if codec is None:
+            raise UnsupportedMedia(label, f"its video stream ({fmt}) is in a codec this FFmpeg cannot decode; "
+                                          "re-encode it (H.264, HEVC, VP9 or AV1)")
         yield container, stream
     finally:
         container.close()

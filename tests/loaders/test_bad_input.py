@@ -155,6 +155,41 @@ def test_random_bytes_raise_loader_error(tmp_path, loader, rng):
 
 
 @pytest.mark.parametrize("loader", LOADERS)
+def test_a_probed_stream_without_a_decoder_is_refused_clearly(tmp_path, loader):
+    """FFmpeg probes these 64 random bytes as a JPEG XL picture, a format this FFmpeg has no decoder for: PyAV
+    then gives the stream no codec context (an AttributeError reached the caller before). Drawn by the random
+    test above; kept as a fixed case."""
+    blob = random.Random(682400379).randbytes(64)
+    path = tmp_path / "random.mp4"
+    path.write_bytes(blob)
+    for source in (str(path), blob):
+        with pytest.raises(UnsupportedMedia) as info:
+            load_video(source, backend=loader, num_frames=4)
+        assert "not a video clip" in info.value.reason
+
+
+def test_a_video_stream_in_a_codec_ffmpeg_cannot_decode(monkeypatch, tmp_path):
+    """A video stream (not a still) whose codec has no decoder here: refused with the fix, the container closed."""
+    from batchjob.loaders import media
+
+    class Container:
+        closed = False
+        format = type("Format", (), {"name": "mpegts"})()
+        streams = type("Streams", (), {"video": [type("Stream", (), {"codec_context": None})()]})()
+
+        def close(self):
+            Container.closed = True
+
+    path = _write(tmp_path / "odd.ts", b"\x47" * 188)
+    monkeypatch.setattr(media.av, "open", lambda *a, **k: Container())
+    with pytest.raises(UnsupportedMedia) as info:
+        with media.open_video(path, path):
+            pass
+    assert "cannot decode" in info.value.reason and "re-encode" in info.value.reason and Container.closed
+    assert path in str(info.value)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
 def test_tags_that_are_not_utf8_do_not_stop_a_clip(tmp_path, loader):
     """A clip whose container tags are Latin-1 (older muxers write them so) decodes exactly as the same packets
     tagged in UTF-8; before, PyAV's strict tag decoding raised UnicodeDecodeError at open."""
