@@ -338,9 +338,8 @@ def figures(row: dict, ceil_m: float, ceil_t: float, ceil_s: float) -> dict:
             fig["vs_transformers_batched"] = eng["requests_per_s"] * hf["batched_s_per_request"]
             fig["distinct8_vs_transformers_batched"] = eng["distinct8_requests_per_s"] * hf["batched_s_per_request"]
             # the most that figure could be: the distinct clips' requests in their ideal time (wall_vs_ideal 1.0)
-            distinct = eng["distinct8_requests_per_s"] * eng["distinct8_wall_s"]   # how many requests
-            fig["distinct8_ideal_vs_transformers_batched"] = (distinct / eng["distinct8_ideal_s"]
-                                                              * hf["batched_s_per_request"])
+            fig["distinct8_ideal_vs_transformers_batched"] = (fig["distinct8_vs_transformers_batched"]
+                                                              * fig["distinct8_wall_vs_ideal"])
         fig["vision_vs_transformers"] = hf["vision_ms_per_clip"] / vis["ms_per_clip_alone"]
     return fig
 

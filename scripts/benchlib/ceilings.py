@@ -9,6 +9,16 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
+def _bf16_operands(n: int):
+    """Two random n x n bf16 matrices, evaluated: the ceilings' operands."""
+    import mlx.core as mx
+
+    a = mx.random.normal((n, n)).astype(mx.bfloat16)
+    b = mx.random.normal((n, n)).astype(mx.bfloat16)
+    mx.eval(a, b)
+    return a, b
+
+
 def mlx_matmul_ceiling(n: int = 8192, reps: int = 5, inner: int = 10, warmup: int = 4) -> float:
     """FLOP/s of an n x n x n bf16 matmul in MLX on its default device: `inner` matmuls queued per sync (as a
     forward's GEMMs run, back to back), the median of `reps` such runs after `warmup` of them, long enough for the
@@ -16,9 +26,7 @@ def mlx_matmul_ceiling(n: int = 8192, reps: int = 5, inner: int = 10, warmup: in
     readings moved from run to run on one GPU more than queued ones do (docs/gpu_run.md has the figures)."""
     import mlx.core as mx
 
-    a = mx.random.normal((n, n)).astype(mx.bfloat16)
-    b = mx.random.normal((n, n)).astype(mx.bfloat16)
-    mx.eval(a, b)
+    a, b = _bf16_operands(n)
     for _ in range(warmup):
         mx.eval([a @ b for _ in range(inner)])
     times = []
@@ -42,9 +50,7 @@ def mlx_matmul_ceiling_sustained(n: int = 8192, seconds: float = 10.0, inner: in
     that denominator accounts for."""
     import mlx.core as mx
 
-    a = mx.random.normal((n, n)).astype(mx.bfloat16)
-    b = mx.random.normal((n, n)).astype(mx.bfloat16)
-    mx.eval(a, b)
+    a, b = _bf16_operands(n)
     stamps = [time.perf_counter()]
     while stamps[-1] - stamps[0] < seconds or len(stamps) < 5:
         mx.eval([a @ b for _ in range(inner)])

@@ -147,11 +147,9 @@ def traced_idle(run: Callable[[], object], phases: list) -> list[dict]:
 
     from torch.profiler import ProfilerActivity, profile
 
-    trace = Path(tempfile.mkdtemp(prefix="bj-cupti-")) / "trace.json"
-    with marked(phases), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run()
-    prof.export_chrome_trace(str(trace))
-    try:
+    with tempfile.TemporaryDirectory(prefix="bj-cupti-") as folder:
+        trace = Path(folder) / "trace.json"
+        with marked(phases), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+        prof.export_chrome_trace(str(trace))
         return idle_by_phase(trace)
-    finally:
-        trace.unlink(missing_ok=True)
