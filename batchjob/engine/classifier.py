@@ -7,6 +7,7 @@ answers, not its probability of emitting that token among the whole vocabulary).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -28,6 +29,7 @@ from .cuda_attention import select_hopper_attention
 from .cuda_fused import activate as activate_fused_kernels
 from .cuda_fused import select_fused_kernels
 from .device import EngineRuntime, dtype_name
+from .intake import CallIntake
 from .memory_budget import MemoryBudgetError, MemoryPlan, plan_memory, read_device_memory
 from .patchify import upload_bytes
 from .preprocess import VideoPlan, check_frames, check_prepared, plan_video, preprocess_video
@@ -54,8 +56,8 @@ def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_l
     """The budget for this engine from the device it runs on (read after the weights are resident), the KV
     blocks it buys (the pool holds at most KV_REQUESTS_CAP maximum-size requests), and what
     `max_num_batched_tokens: auto` means there (token_budget.py: from the device's memory, or from
-    `memory_budget_gb` where that is set lower); one forward's activations at that many tokens are part of what
-    the budget must hold."""
+    `memory_budget_gb` where that is set lower); one forward's activations at that many tokens, and the vision
+    features of one step started ahead of it (intake.py), are part of what the budget must hold."""
     lm = checkpoint.model.language_model
     kv_shape = checkpoint.family.kv_shape(lm)   # mlx-vlm's lm.head_dim is wrong for some Qwen3-VL
     dtype_bytes = mx.zeros((), dtype=checkpoint.dtype).itemsize
@@ -74,9 +76,10 @@ def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_l
     per_block = kv_bytes_per_block(num_layers=num_layers, num_kv_heads=kv_shape[0], head_dim=kv_shape[1],
                                    dtype_bytes=dtype_bytes, block_size=config.block_size)
     cap_tokens = KV_REQUESTS_CAP * max(config.max_model_len, tokens)
+    features = lookahead_feature_bytes(shape["hidden"], checkpoint.family.num_deepstack, dtype_bytes)
     try:
         plan = plan_memory(device=device_memory, requested_gb=config.memory_budget_gb,
-                           weights_bytes=checkpoint.weights_bytes, activation=tokens * per_token,
+                           weights_bytes=checkpoint.weights_bytes, activation=tokens * (per_token + features),
                            kv_block_bytes=per_block, block_size=config.block_size,
                            blocks_per_request=-(-config.max_model_len // config.block_size),
                            max_blocks=-(-cap_tokens // config.block_size), host_reserved=config.host_reserved_bytes,
@@ -84,6 +87,12 @@ def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_l
     except MemoryBudgetError as exc:
         raise EngineError(str(exc)) from exc
     return plan, auto_tokens
+
+
+def lookahead_feature_bytes(hidden: int, num_deepstack: int, dtype_bytes: int) -> int:
+    """Bytes per token of the vision features a step's towers leave for the LM (the main set and each DeepStack
+    set, at the LM's width): what the next step's towers, started ahead, hold meanwhile."""
+    return hidden * (1 + num_deepstack) * dtype_bytes
 
 
 def cap_buffer_cache(limit: int) -> int:
@@ -251,36 +260,6 @@ class Classifier:
         self.vision_calls += 1
         return self._features.put_clip(key, features)
 
-    def _start_towers(self, requests: Seq[ClassifyRequest], order: list[int], call_id: int) -> list[str]:
-        """Start the vision towers of the clips the first step will encode, before any prompt is built or scheduled.
-
-        Why: every call begins with host work (tokenizing prompts, hashing and allocating blocks) during which
-        the device would otherwise sit idle; the towers are device work that needs none of it. Clips are taken in
-        the order the scheduler admits them, within one step's token budget (what the first step can use, so the
-        features kept meanwhile stay bounded). A clip with features or a tail already kept, or whose input fails
-        its check (or whose video alone fills `max_model_len`), is left to the step that needs it. Returns the keys
-        started."""
-        budget, started, seen = self.max_num_batched_tokens, [], set()
-        for i in order:
-            key = self._media_key(i, requests[i], call_id)
-            if key in seen or self._features.holds(key):
-                continue
-            seen.add(key)
-            try:
-                plan = self._clip_plan(requests[i].clip)
-            except ValueError:
-                continue   # reported by _prepare as this request's error
-            if plan.num_tokens >= self.config.max_model_len:
-                continue   # its prompt cannot fit: _prepare reports it
-            if started and plan.num_tokens > budget:
-                break
-            self._encode(key, requests[i].clip, plan.grid_thw)
-            started.append(key)
-            budget -= plan.num_tokens
-            if budget <= 0:
-                break
-        return started
-
     def stage(self, requests: Seq[ClassifyRequest]) -> None:
         """Do the host work of a later `classify(requests)` now, on the caller's thread: each clip's patch bytes
         uploaded (`patchify.upload_bytes`) and each request's prompt made. Safe beside a running call (MLX is
@@ -306,43 +285,32 @@ class Classifier:
             return self._classify(requests)
 
     def _classify(self, requests: Seq[ClassifyRequest]) -> list[ClassifyResult]:
-        call_id = next(self._call_ids)
-        results: list[ClassifyResult | None] = [None] * len(requests)
+        """The steps' loop; the host's work for a step is done a step ahead, while the device runs the one before
+        (intake.py)."""
         scheduler = Scheduler(self.pool, self.max_num_batched_tokens)
-        pending: dict[str, int] = {}
-        order = admission_order(requests)
-        started = self._start_towers(requests, order, call_id)
-        for i in order:
-            try:
-                seq = self._prepare(i, requests[i], call_id)
-            except ValueError as exc:
-                results[i] = ClassifyResult(requests[i].request_id, None, [], 0, 0, error=str(exc))
-                continue
-            scheduler.add(seq)
-            pending[seq.media_key] = pending.get(seq.media_key, 0) + 1
-        for key in started:
-            if key not in pending:   # every request of the clip failed its preparation: nothing will read it
-                self._features.release_clip(key, 0, keep_tail=False)
+        intake = CallIntake.open(self, requests, admission_order(requests), next(self._call_ids), scheduler)
         try:
-            while scheduler.has_work():
+            intake.start()
+            while scheduler.has_work() or not intake.done:
+                if not scheduler.has_work():   # every prompt admitted so far failed its preparation
+                    intake.admit(scheduler.budget)
+                    continue
                 batch = scheduler.schedule()
                 out = forward(self.checkpoint.model, batch, self.kv_cache, self._attention,
                               self._video_rows(batch, requests), self.checkpoint.family.num_deepstack,
-                              on_first_wait=self.on_device_busy)
+                              on_first_wait=self.on_device_busy, on_queued=functools.partial(intake.look_ahead, batch))
                 for row, slot in enumerate(out.finished_slices):
                     seq = batch[slot].seq
-                    results[seq.index] = _result(requests[seq.index].request_id, seq, out.logits[row])
+                    intake.results[seq.index] = _result(requests[seq.index].request_id, seq, out.logits[row])
                 for seq in scheduler.finish_step(batch):
-                    pending[seq.media_key] -= 1
-                    if pending[seq.media_key] == 0:  # the clip is done: keep only what a later question needs
+                    if intake.finished(seq.media_key):  # the clip is done: keep only what a later question needs
                         first = tail_first_row(seq.video_rows, seq.video_span, self.config.block_size)
                         self._features.release_clip(seq.media_key, first, keep_tail=seq.share_prefix)
         finally:
             scheduler.abort_all()
-            for key in pending:
-                self._features.release_clip(key, 0, keep_tail=False)  # after an exception: drop leftovers
+            intake.abandon()   # after an exception: drop what is left in flight (nothing, otherwise)
             self._staging.drop([r.clip.inputs for r in requests])
-        return results  # type: ignore[return-value]
+        return intake.results  # type: ignore[return-value]
 
 
 def admission_order(requests: Seq[ClassifyRequest]) -> list[int]:

@@ -82,12 +82,15 @@ def forward(
     video_features: Mapping[str, FeatureRows],
     num_deepstack: int = 0,
     on_first_wait: Callable[[], None] | None = None,
+    on_queued: Callable[[], None] | None = None,
 ) -> ForwardOutput:
     """Run the decoder over the packed batch, writing KV; logits only at finishing sequences' last token.
 
     With DeepStack (Qwen3-VL), feature set i is added to the video tokens' hidden states after layer i. Each
     layer is queued as soon as it is built, at most LAYER_LAG ahead of the GPU. `on_first_wait` is called once,
-    when the host first waits on the device (work queued, the thread about to idle: `Classifier.stage`'s turn)."""
+    when the host first waits on the device (work queued, the thread about to idle: `Classifier.stage`'s turn).
+    `on_queued` is called once the whole pass is queued, before its logits are read: work queued there runs on the
+    device right after this pass (the next step's towers, `intake.CallIntake.look_ahead`)."""
     lm = model.language_model
     meta = build_attention_metadata([s.attention_slice() for s in batch], kv_cache.block_size)
     positions = np.concatenate(
@@ -117,6 +120,7 @@ def forward(
         on_first_wait()
     finished = [i for i, s in enumerate(batch) if s.is_last_chunk]
     if not finished:  # a chunk of a long prompt: only the cache writes matter
+        _queued(on_queued, kv_cache.k, kv_cache.v)
         mx.eval(kv_cache.k, kv_cache.v)
         return ForwardOutput([], np.zeros((0, 0), np.float32))
     last = mx.array([int(meta.cu_seqlens_q_host[i + 1]) - 1 for i in finished])
@@ -124,8 +128,16 @@ def forward(
     logits = lm.model.embed_tokens.as_linear(h_last) if lm.args.tie_word_embeddings else lm.lm_head(h_last)
     options = option_columns([batch[i].seq.option_token_ids for i in finished])
     option_logits = mx.take_along_axis(logits, mx.array(options), axis=1).astype(mx.float32)
+    _queued(on_queued, option_logits, kv_cache.k, kv_cache.v)
     mx.eval(option_logits, kv_cache.k, kv_cache.v)
     return ForwardOutput(finished, np.array(option_logits))
+
+
+def _queued(on_queued: Callable[[], None] | None, *outputs) -> None:
+    """The pass's last work handed to the device, then `on_queued`: what it queues runs after the pass."""
+    if on_queued is not None:
+        mx.async_eval(*outputs)
+        on_queued()
 
 
 def option_columns(option_ids: list[list[int]]) -> np.ndarray:

@@ -131,13 +131,18 @@ def engine_phases(clf, call: tuple[object, str]) -> list[tuple[object, str, str 
     from batchjob.engine import runner
     from batchjob.engine.scheduler import Scheduler
 
-    phases = [(*call, "call"), (clf, "_start_towers", "towers first"), (clf, "_prepare", "prepare"),
+    try:
+        from batchjob.engine.intake import CallIntake   # the call's start and each step's look-ahead
+    except ImportError:   # an older engine's A/B copy: its call started with Classifier._start_towers
+        CallIntake = None
+    phases = [(*call, "call"), (clf, "_start_towers", "towers first"), (CallIntake, "start", "towers first"),
+              (CallIntake, "look_ahead", "look-ahead"), (clf, "_prepare", "prepare"),
               (Scheduler, "schedule", "schedule"), (Scheduler, "finish_step", "finish step"),
               (clf, "_video_rows", "video rows"), (classifier_module, "_result", "results"),
               (runner, "build_attention_metadata", "forward: metadata"), (runner, "_embed", "forward: embed"),
               (runner, "_video_injection", "forward: video rows"), (mx, "eval", "waits (mx.eval)"),
               (classifier_module, "forward", forward_label)]
-    return [p for p in phases if hasattr(p[0], p[1])]   # an older engine's A/B copy may lack a phase
+    return [p for p in phases if p[0] is not None and hasattr(p[0], p[1])]   # an older engine's copy may lack one
 
 
 def traced_idle(run: Callable[[], object], phases: list) -> list[dict]:

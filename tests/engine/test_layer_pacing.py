@@ -48,12 +48,13 @@ def test_paced_forward_answers_exactly_as_the_whole_pass(checkpoint_dir, rng, ma
 @pytest.mark.parametrize("lag", [0, 1, 2])
 def test_host_stays_within_lag_layers(tiny_classifier, rng, make_clip, make_request, monkeypatch, lag):
     """Every layer's output is queued (with its K/V writes) as soon as it is built; before queueing layer i + 1
-    the host has waited for layer i - lag. Unpaced (0), nothing is queued before the pass's one closing eval."""
+    the host has waited for layer i - lag. Unpaced (0), nothing is queued before the pass is handed over whole, once
+    (for the engine's `on_queued` look-ahead), ahead of its closing eval."""
     from batchjob.engine import classifier as classifier_module
 
     clf = tiny_classifier("qwen2_5_vl-mha")
     num_layers = len(clf.checkpoint.model.language_model.model.layers)
-    queued, waited, events, inside = [], [], [], []
+    queued, waited, events, inside, closing = [], [], [], [], []
     real_async, real_eval, real_forward = mx.async_eval, mx.eval, classifier_module.forward
 
     def spy_forward(*args, **kwargs):   # only the forward pass's own calls count (not the vision features')
@@ -65,6 +66,9 @@ def test_host_stays_within_lag_layers(tiny_classifier, rng, make_clip, make_requ
 
     def spy_async(*arrays):
         if not inside:
+            return real_async(*arrays)
+        if arrays[-1] is clf.kv_cache.v:   # the whole pass handed over before `on_queued` (runner._queued)
+            closing.append(len(queued))
             return real_async(*arrays)
         layer = len(queued)
         # the layer's K/V writes go with it: not left for the pass's closing eval, holding its new K/V till then
@@ -86,6 +90,7 @@ def test_host_stays_within_lag_layers(tiny_classifier, rng, make_clip, make_requ
     results = clf.classify([make_request(rng, f"lag{lag}", make_clip(rng, f"lag{lag}", num_frames=2, size=(56, 56)))])
     monkeypatch.undo()
     assert results[0].error is None
+    assert closing == [len(queued)]   # once, after every layer
     if lag == 0:
         assert not queued
         return

@@ -9,6 +9,7 @@ import pytest
 
 from batchjob.engine import Classifier, EngineConfig
 from batchjob.engine import memory_budget as mb
+from batchjob.engine import runner
 from batchjob.engine.classifier import KV_REQUESTS_CAP, plan_engine_memory
 from batchjob.engine.types import EngineError
 
@@ -234,3 +235,24 @@ def test_the_engine_caps_mlxs_buffer_cache_and_keeps_a_lower_limit(checkpoint_di
         assert mx.set_cache_limit(1 << 50) == clf.buffer_cache_bytes == 12345 * 4096
     finally:
         mx.set_cache_limit(original)
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl-gqa", "qwen3_vl"])
+def test_the_plan_holds_one_step_of_features_started_ahead(tiny_classifier, rng, make_clip, name):
+    """The towers of the next step start while a pass runs (intake.py), so the plan's activations count one step's
+    feature rows on top of the pass: exactly the bytes per token the tower hands the LM (DeepStack sets included)."""
+    from batchjob.engine.preprocess import preprocess_video
+    from batchjob.engine.token_budget import activation_bytes_per_token, language_model_shape
+
+    clf = tiny_classifier(name)
+    ckpt = clf.checkpoint
+    clip = make_clip(rng, "plan-features", num_frames=4)
+    features = ckpt.encode_clip(preprocess_video(clip.frames, clip.metadata, ckpt.vision))
+    per_row = features.shape[-1] * features.dtype.size
+    lm = ckpt.model.language_model
+    shape = language_model_shape(lm, ckpt.family.kv_shape(lm))
+    dtype_bytes = features.dtype.size
+    tokens = int(rng.integers(1, 64)) * 16
+    plan, _ = plan_engine_memory(ckpt, EngineConfig(max_num_batched_tokens=tokens), num_layers=2)
+    per_token = activation_bytes_per_token(**shape, dtype_bytes=dtype_bytes, layer_lag=runner.LAYER_LAG)
+    assert plan.activation_bytes == tokens * (per_token + per_row)

@@ -128,20 +128,22 @@ def test_a_budget_set_below_the_device_sizes_the_forwards(tiny_classifier, monke
     from batchjob.engine import EngineConfig
     from batchjob.engine import classifier as classifier_module
 
+    ckpt = tiny_classifier().checkpoint   # loaded before the fakes below (run alone, this test builds it)
     monkeypatch.setattr(mx, "device_info", lambda d=None: {
         "device_name": "Fake GPU", "total_memory": 80 * GiB, "free_memory": 78 * GiB})
     per_token = int(rng.integers(400_000, 900_000))   # a 7-8B decoder's paced forward, per token
     monkeypatch.setattr(classifier_module, "activation_bytes_per_token", lambda **_: per_token)
-    ckpt = tiny_classifier().checkpoint
+    features = int(rng.integers(7_000, 33_000))   # the next step's vision features per token (intake.py)
+    monkeypatch.setattr(classifier_module, "lookahead_feature_bytes", lambda *_: features)
     monkeypatch.setattr(ckpt, "device", "cuda")
     whole, tokens = classifier_module.plan_engine_memory(ckpt, EngineConfig(max_model_len=4096), num_layers=2)
-    assert tokens == GPU_MAX_TOKENS and whole.activation_bytes == tokens * per_token
+    assert tokens == GPU_MAX_TOKENS and whole.activation_bytes == tokens * (per_token + features)
     budget_gb = float(rng.uniform(4, 20))
     plan, budget_tokens = classifier_module.plan_engine_memory(
         ckpt, EngineConfig(max_model_len=4096, memory_budget_gb=budget_gb), num_layers=2)
     assert budget_tokens == auto_batched_tokens("cuda", memory_bytes=int(budget_gb * GiB),
                                                 weights_bytes=ckpt.weights_bytes, bytes_per_token=per_token)
-    assert budget_tokens < tokens and plan.activation_bytes == budget_tokens * per_token
+    assert budget_tokens < tokens and plan.activation_bytes == budget_tokens * (per_token + features)
     assert plan.weights_bytes + plan.activation_bytes + plan.kv_bytes <= plan.budget_bytes == int(budget_gb * GiB)
 
 

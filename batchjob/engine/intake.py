@@ -1,0 +1,158 @@
+"""One `classify` call's intake: its prompts built and its clips' towers started a step ahead of the device.
+
+Why: a call's host work (rendering and tokenizing prompts, building the towers' graphs, scheduling) used to run
+while the device had nothing queued: every prompt before the first step, each step's towers after the step
+before it had returned. Nothing a step needs from the host depends on the answers of the step before (a
+prefill's token counts are known up front), so the host can do it earlier:
+- before the first step, only the towers that step encodes are started and only the prompts it can take are
+  built;
+- once a step's pass is queued (`runner.forward`'s `on_queued`), the next step's towers are queued behind it and
+  the prompts for the step after are built, while the device runs the pass.
+
+Features are then held for at most one step ahead, and the clip that step's end cuts
+(`classifier.plan_engine_memory` counts them). The guess of what the next step reaches counts video tokens only,
+so it never falls short of the step; a clip it missed all the same is encoded by the step that needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+from .scheduler import ScheduledSlice, Scheduler
+from .types import ClassifyRequest, ClassifyResult
+
+if TYPE_CHECKING:
+    from .classifier import Classifier
+
+
+@dataclass(frozen=True)
+class KeyGroup:
+    """The requests (indices in admission order) that share one media key: one clip's, or one request's when
+    prefix sharing is off."""
+
+    key: str
+    indices: tuple[int, ...]
+
+
+def key_groups(keys: Sequence[str], order: Sequence[int]) -> list[KeyGroup]:
+    """Runs of equal keys along `order` (`keys[i]`: request i's media key), in order."""
+    groups: list[tuple[str, list[int]]] = []
+    for i in order:
+        if groups and groups[-1][0] == keys[i]:
+            groups[-1][1].append(i)
+        else:
+            groups.append((keys[i], [i]))
+    return [KeyGroup(key, tuple(indices)) for key, indices in groups]
+
+
+@dataclass
+class CallIntake:
+    """The call's requests, admitted into `scheduler` a step ahead; `results` holds the requests that failed their
+    preparation, `pending` the admitted requests per media key still in flight."""
+
+    clf: Classifier
+    requests: Sequence[ClassifyRequest]
+    call_id: int
+    scheduler: Scheduler
+    groups: list[KeyGroup]
+    results: list[ClassifyResult | None]
+    pending: dict[str, int] = field(default_factory=dict)
+    started: set[str] = field(default_factory=set)   # towers started ahead, this call
+    closed: set[str] = field(default_factory=set)    # keys whose requests all finished or all failed
+    next_tower: int = 0     # groups before it have their towers started, held, or need none
+    next_prepare: int = 0   # groups before it are admitted (or failed)
+
+    @classmethod
+    def open(cls, clf: Classifier, requests: Sequence[ClassifyRequest], order: Sequence[int], call_id: int,
+             scheduler: Scheduler) -> CallIntake:
+        keys = [clf._media_key(i, r, call_id) for i, r in enumerate(requests)]
+        return cls(clf, requests, call_id, scheduler, key_groups(keys, order), [None] * len(requests))
+
+    @property
+    def budget(self) -> int:
+        return self.scheduler.budget
+
+    @property
+    def done(self) -> bool:
+        return self.next_prepare == len(self.groups)
+
+    def start(self) -> None:
+        """Before the first step: its towers, then its prompts (the towers are device work that needs none of
+        the prompts' host work)."""
+        self.start_towers(self.budget)
+        self.admit(self.budget)
+
+    def look_ahead(self, batch: list[ScheduledSlice]) -> None:
+        """`batch`'s pass is queued: queue the next step's towers behind it, then build prompts for the step after.
+        The next step first continues the running prompts (what `batch` leaves of them), then admits new ones."""
+        carried = sum(seq.remaining for seq in self.scheduler.running) - sum(s.num_new for s in batch)
+        self.start_towers(self.budget - carried)
+        self.admit(self.budget)
+
+    def start_towers(self, budget: int) -> None:
+        """Start the towers of the clips a step of `budget` new tokens reaches, in admission order: each clip while
+        the video tokens before it stay under the budget (the clip a step's end cuts is encoded whole). A clip with
+        features or a tail already kept, whose input fails its check, whose video alone fills `max_model_len`, or
+        whose requests are done or failed, needs none (failures are reported by the preparation)."""
+        while self.next_tower < len(self.groups) and budget > 0:
+            group = self.groups[self.next_tower]
+            plan = self._needs_tower(group)
+            if plan is not None:
+                self.clf._encode(group.key, self.requests[group.indices[0]].clip, plan.grid_thw)
+                self.started.add(group.key)
+                budget -= plan.num_tokens
+            self.next_tower += 1
+
+    def _needs_tower(self, group: KeyGroup):
+        if group.key in self.started or group.key in self.closed or self.clf._features.holds(group.key):
+            return None
+        try:
+            plan = self.clf._clip_plan(self.requests[group.indices[0]].clip)
+        except ValueError:
+            return None
+        return plan if plan.num_tokens < self.clf.config.max_model_len else None
+
+    def admit(self, tokens: int) -> None:
+        """Build the prompts of whole groups, in order, until the requests waiting to be scheduled hold `tokens`
+        tokens (or every group is in). A group none of whose requests can be prepared is closed, its tower (if
+        started ahead) released."""
+        waiting = sum(seq.remaining for seq in self.scheduler.waiting)
+        while self.next_prepare < len(self.groups) and waiting < tokens:
+            group = self.groups[self.next_prepare]
+            self.next_prepare += 1
+            admitted = 0
+            for i in group.indices:
+                request = self.requests[i]
+                try:
+                    seq = self.clf._prepare(i, request, self.call_id)
+                except ValueError as exc:
+                    self.results[i] = ClassifyResult(request.request_id, None, [], 0, 0, error=str(exc))
+                    continue
+                self.scheduler.add(seq)
+                waiting += seq.remaining
+                admitted += 1
+            if admitted:
+                self.pending[group.key] = self.pending.get(group.key, 0) + admitted
+            else:
+                self.close(group.key)
+
+    def finished(self, key: str) -> bool:
+        """One of `key`'s requests finished; True when it was the last one in flight."""
+        self.pending[key] -= 1
+        if self.pending[key]:
+            return False
+        del self.pending[key]
+        self.closed.add(key)
+        return True
+
+    def close(self, key: str) -> None:
+        """Nothing will read `key`'s features: drop them if a tower was started for them."""
+        self.closed.add(key)
+        self.clf._features.release_clip(key, 0, keep_tail=False)
+
+    def abandon(self) -> None:
+        """After an exception: drop the features of every key still in flight or started ahead."""
+        for key in set(self.pending) | (self.started - self.closed):
+            self.clf._features.release_clip(key, 0, keep_tail=False)
+        self.pending.clear()
