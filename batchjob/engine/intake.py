@@ -17,9 +17,10 @@ so it never falls short of the step; a clip it missed all the same is encoded by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
+from typing import Sequence as Seq
 
-from .scheduler import ScheduledSlice, Scheduler
+from .scheduler import ScheduledSlice, Scheduler, Sequence
 from .types import ClassifyRequest, ClassifyResult
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class KeyGroup:
     indices: tuple[int, ...]
 
 
-def key_groups(keys: Sequence[str], order: Sequence[int]) -> list[KeyGroup]:
+def key_groups(keys: Seq[str], order: Seq[int]) -> list[KeyGroup]:
     """Runs of equal keys along `order` (`keys[i]`: request i's media key), in order."""
     groups: list[tuple[str, list[int]]] = []
     for i in order:
@@ -46,13 +47,27 @@ def key_groups(keys: Sequence[str], order: Sequence[int]) -> list[KeyGroup]:
     return [KeyGroup(key, tuple(indices)) for key, indices in groups]
 
 
+# Prompts are built until those waiting hold this many steps' tokens: a step's scheduler must find a full step's worth
+# it may take, and the count is an estimate (followers still waiting for their leader's prefix are passed over).
+ADMIT_STEPS = 2
+
+
+def new_tokens(seq: Sequence, follows: bool) -> int:
+    """The tokens a waiting sequence will compute, as far as is known before its blocks are allocated: a follower
+    (its clip's leader admitted before it) computes what follows the shared video; a leader, its whole prompt
+    (less, if the clip's prefix is cached from an earlier call)."""
+    if follows and seq.share_prefix:
+        return seq.num_tokens - seq.video_span[1]
+    return seq.remaining
+
+
 @dataclass
 class CallIntake:
     """The call's requests, admitted into `scheduler` a step ahead; `results` holds the requests that failed their
     preparation, `pending` the admitted requests per media key still in flight."""
 
     clf: Classifier
-    requests: Sequence[ClassifyRequest]
+    requests: Seq[ClassifyRequest]
     call_id: int
     scheduler: Scheduler
     groups: list[KeyGroup]
@@ -64,7 +79,7 @@ class CallIntake:
     next_prepare: int = 0   # groups before it are admitted (or failed)
 
     @classmethod
-    def open(cls, clf: Classifier, requests: Sequence[ClassifyRequest], order: Sequence[int], call_id: int,
+    def open(cls, clf: Classifier, requests: Seq[ClassifyRequest], order: Seq[int], call_id: int,
              scheduler: Scheduler) -> CallIntake:
         keys = [clf._media_key(i, r, call_id) for i, r in enumerate(requests)]
         return cls(clf, requests, call_id, scheduler, key_groups(keys, order), [None] * len(requests))
@@ -81,14 +96,14 @@ class CallIntake:
         """Before the first step: its towers, then its prompts (the towers are device work that needs none of
         the prompts' host work)."""
         self.start_towers(self.budget)
-        self.admit(self.budget)
+        self.admit(ADMIT_STEPS * self.budget)
 
     def look_ahead(self, batch: list[ScheduledSlice]) -> None:
         """`batch`'s pass is queued: queue the next step's towers behind it, then build prompts for the step after.
         The next step first continues the running prompts (what `batch` leaves of them), then admits new ones."""
         carried = sum(seq.remaining for seq in self.scheduler.running) - sum(s.num_new for s in batch)
         self.start_towers(self.budget - carried)
-        self.admit(self.budget)
+        self.admit(ADMIT_STEPS * self.budget)
 
     def start_towers(self, budget: int) -> None:
         """Start the towers of the clips a step of `budget` new tokens reaches, in admission order: each clip while
@@ -114,14 +129,14 @@ class CallIntake:
         return plan if plan.num_tokens < self.clf.config.max_model_len else None
 
     def admit(self, tokens: int) -> None:
-        """Build the prompts of whole groups, in order, until the requests waiting to be scheduled hold `tokens`
-        tokens (or every group is in). A group none of whose requests can be prepared is closed, its tower (if
-        started ahead) released."""
-        waiting = sum(seq.remaining for seq in self.scheduler.waiting)
+        """Build the prompts of whole groups, in order, until the requests waiting to be scheduled hold about
+        `tokens` new tokens (`new_tokens`), or every group is in. A group none of whose requests can be prepared is
+        closed, its tower (if started ahead) released."""
+        waiting = self._waiting_tokens()
         while self.next_prepare < len(self.groups) and waiting < tokens:
             group = self.groups[self.next_prepare]
             self.next_prepare += 1
-            admitted = 0
+            admitted = []
             for i in group.indices:
                 request = self.requests[i]
                 try:
@@ -130,12 +145,20 @@ class CallIntake:
                     self.results[i] = ClassifyResult(request.request_id, None, [], 0, 0, error=str(exc))
                     continue
                 self.scheduler.add(seq)
-                waiting += seq.remaining
-                admitted += 1
+                admitted.append(seq)
+            waiting += sum(new_tokens(seq, follows=n > 0) for n, seq in enumerate(admitted))
             if admitted:
-                self.pending[group.key] = self.pending.get(group.key, 0) + admitted
+                self.pending[group.key] = self.pending.get(group.key, 0) + len(admitted)
             else:
                 self.close(group.key)
+
+    def _waiting_tokens(self) -> int:
+        seen: set[str] = set()
+        total = 0
+        for seq in self.scheduler.waiting:
+            total += new_tokens(seq, follows=seq.media_key in seen or self.scheduler.has_leader(seq.media_key))
+            seen.add(seq.media_key)
+        return total
 
     def finished(self, key: str) -> bool:
         """One of `key`'s requests finished; True when it was the last one in flight."""

@@ -94,6 +94,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_leader(self, media_key: str) -> bool:
+        """Whether a sequence of this clip was admitted in this call (it computes, or computed, the shared prefix)."""
+        return media_key in self._leaders
+
     def _writer(self, seq: Sequence, taken: dict[str, int]) -> tuple[Sequence | None, int]:
         """(the leader whose blocks `seq` reads in this pass, how many of its tokens are written by the pass's end),
         or (None, 0) when `seq` leads or its leader finished the prefix in an earlier pass. Raises `_Wait` while
