@@ -47,7 +47,8 @@ def run_model(model_type: str, args, tmp: Path) -> dict:
     qwen3 = model_type == "qwen3_vl"
     layers = (args.qwen3_layers if qwen3 else args.layers) or dims["layers"]
     v_layers = (args.qwen3_vision_layers if qwen3 else args.vision_layers) or dims["v_depth"]
-    engine = dict(device="auto" if args.smoke else "gpu", max_model_len=8192)
+    engine = dict(device="auto" if args.smoke else "gpu", max_model_len=8192,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
     bench = build_model(model_type, dims, layers, v_layers, args.frames, tuple(args.size), tmp,
                         "float32" if args.smoke else "bfloat16", engine)
     clf = bench.classifier
@@ -98,6 +99,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=16)
     parser.add_argument("--size", type=int, nargs=2, default=(448, 448), metavar=("H", "W"))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-num-batched-tokens", default="auto", type=lambda v: v if v == "auto" else int(v))
     parser.add_argument("--json")
     parser.add_argument("--smoke", action="store_true", help="tiny dims, fp32, on any device")
     args = parser.parse_args()

@@ -1,8 +1,8 @@
 """One `classify` call's intake: its prompts built and its clips' towers started a step ahead of the device.
 
-Why: a call's host work (rendering and tokenizing prompts, building the towers' graphs, scheduling) used to run
-while the device had nothing queued: every prompt before the first step, each step's towers after the step
-before it had returned. Nothing a step needs from the host depends on the answers of the step before (a
+Why: done in step order, a call's host work (rendering and tokenizing prompts, building the towers' graphs,
+scheduling) runs while the device has nothing queued: every prompt before the first step, each step's towers after
+the step before it has returned. Nothing a step needs from the host depends on the answers of the step before (a
 prefill's token counts are known up front), so the host can do it earlier:
 - before the first step, only the towers that step encodes are started and only the prompts it can take are
   built;
@@ -25,6 +25,7 @@ from .types import ClassifyRequest, ClassifyResult
 
 if TYPE_CHECKING:
     from .classifier import Classifier
+    from .preprocess import VideoPlan
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ class CallIntake:
                 budget -= plan.num_tokens
             self.next_tower += 1
 
-    def _needs_tower(self, group: KeyGroup):
+    def _needs_tower(self, group: KeyGroup) -> VideoPlan | None:
+        """The clip's plan when its tower should start now, else None (see `start_towers`)."""
         if group.key in self.started or group.key in self.closed or self.clf._features.holds(group.key):
             return None
         try:

@@ -1,0 +1,29 @@
+"""scripts/diag_intake_ab.py (one call's host work a step ahead against the call prepared up front, alternated) on
+tiny models: a call of several steps, both variants timed each round, and their answers equal (on a CPU in fp32 the
+two variants schedule the same steps, so only the BLAS's summation order differs)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_diag_intake_ab_smoke(tmp_path):
+    out = tmp_path / "ab.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "diag_intake_ab.py"), "--smoke", "--model",
+                           "qwen2_5_vl", "qwen3_vl", "--clips", "6", "--questions", "3", "--frames", "8", "--size",
+                           "112", "112", "--rounds", "2", "--max-num-batched-tokens", "512", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [m["model_type"] for m in report["models"]] == ["qwen2_5_vl", "qwen3_vl"]
+    for row in report["models"]:
+        assert row["requests"] == 18 and row["steps_tokens"] == 512
+        assert {k: len(v) for k, v in row["seconds"].items()} == {"ahead": 2, "up_front": 2}
+        assert row["choices_agree"] == 1.0 and row["max_prob_diff"] < 1e-5
+        assert abs(row["up_front_vs_ahead"] - row["up_front_s"] / row["ahead_s"]) < 1e-12
+    assert len(re.findall(r"the look-ahead [\d.]+x", done.stdout)) == 2
