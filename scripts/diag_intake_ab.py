@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -20,7 +19,7 @@ import numpy as np
 
 import benchlib.env
 from benchlib.ceilings import median
-from benchlib.workload import build_model, fresh, make_workload
+from benchlib.workload import diag_engine, fresh, make_workload
 from batchjob.synthetic.random_engine import SHAPES
 
 
@@ -43,18 +42,14 @@ def up_front():
         CallIntake.start, CallIntake.look_ahead = start, look_ahead
 
 
-def run_model(model_type: str, args, tmp: Path) -> dict:
-    dims = dict(SHAPES[model_type][1 if args.smoke else 0])
+def run_model(model_type: str, args) -> dict:
     qwen3 = model_type == "qwen3_vl"
-    layers = (args.qwen3_layers if qwen3 else args.layers) or dims["layers"]
-    v_layers = (args.qwen3_vision_layers if qwen3 else args.vision_layers) or dims["v_depth"]
-    engine = dict(device="auto" if args.smoke else "gpu", max_model_len=8192,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
-    bench = build_model(model_type, dims, layers, v_layers, args.frames, tuple(args.size), tmp,
-                        "float32" if args.smoke else "bfloat16", engine)
-    clf = bench.classifier
-    workload = make_workload(bench, np.random.default_rng(0), args.clips, args.questions, args.frames,
-                             tuple(args.size), "w")
+    diag = diag_engine(model_type, smoke=args.smoke, layers=args.qwen3_layers if qwen3 else args.layers,
+                       vision_layers=args.qwen3_vision_layers if qwen3 else args.vision_layers, buckets=None,
+                       tag="intake", max_num_batched_tokens=args.max_num_batched_tokens)
+    clf = diag.bench.classifier
+    workload = make_workload(diag.bench, np.random.default_rng(0), args.clips, args.questions, diag.frames, diag.size,
+                             "w")
     times: dict[str, list[float]] = {"ahead": [], "up_front": []}
     answers: dict[str, list] = {}
     for round_ in range(args.rounds + 1):   # round 0 warms both variants (kernels, shapes) and is not counted
@@ -71,9 +66,10 @@ def run_model(model_type: str, args, tmp: Path) -> dict:
     pairs = list(zip(answers["ahead"], answers["up_front"]))
     same = float(np.mean([a.choice == b.choice for a, b in pairs]))
     prob_diff = max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in pairs)
-    row = {"model_type": model_type, "layers": layers, "vision_layers": v_layers, "requests": len(workload),
-           "steps_tokens": clf.max_num_batched_tokens, "seconds": times, "choices_agree": same,
-           "max_prob_diff": prob_diff, "ahead_s": median(times["ahead"]), "up_front_s": median(times["up_front"])}
+    row = {"model_type": model_type, "layers": diag.bench.layers, "vision_layers": diag.bench.vision_layers,
+           "requests": len(workload), "steps_tokens": clf.max_num_batched_tokens, "seconds": times,
+           "choices_agree": same, "max_prob_diff": prob_diff, "ahead_s": median(times["ahead"]),
+           "up_front_s": median(times["up_front"])}
     row["up_front_vs_ahead"] = row["up_front_s"] / row["ahead_s"]
     print(f"[{model_type}] {len(workload)} requests: ahead {row['ahead_s']:.3f} s, up front {row['up_front_s']:.3f} s "
           f"(medians of {args.rounds}): the look-ahead {row['up_front_vs_ahead']:.3f}x; choices agree {same:.3f}, "
@@ -90,17 +86,14 @@ def main() -> None:
     parser.add_argument("--qwen3-vision-layers", type=int)
     parser.add_argument("--clips", type=int, default=64)
     parser.add_argument("--questions", type=int, default=4)
-    parser.add_argument("--frames", type=int, default=16)
-    parser.add_argument("--size", type=int, nargs=2, default=(448, 448), metavar=("H", "W"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-num-batched-tokens", default="auto", type=lambda v: v if v == "auto" else int(v))
     parser.add_argument("--json")
-    parser.add_argument("--smoke", action="store_true", help="tiny dims, fp32, on any device")
+    parser.add_argument("--smoke", action="store_true", help="tiny dims, fp32, 4 frames at 56x56, on any device")
     args = parser.parse_args()
     report = {"environment": benchlib.env.environment(("mlx.core",)), "args": vars(args), "models": []}
-    with tempfile.TemporaryDirectory(prefix="bj-intake-") as tmp:
-        for model_type in args.model:
-            report["models"].append(run_model(model_type, args, Path(tmp)))
+    for model_type in args.model:
+        report["models"].append(run_model(model_type, args))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

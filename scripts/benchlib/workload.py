@@ -150,11 +150,11 @@ def add_diag_arguments(ap) -> None:
 
 
 def diag_engine(model_type: str, *, smoke: bool, layers: int | None, buckets: int | None, tag: str,
-                vision_layers: int | None = None) -> DiagEngine:
+                vision_layers: int | None = None, max_num_batched_tokens: int | str = "auto") -> DiagEngine:
     """`build_model` as the diagnostics run it: bf16 on the GPU (float32 on the CPU for `smoke`), 16 frames at
-    448x448 (4 at 56x56), the engine's own token budget; `buckets` (None: the engine's setting) replaces the
-    portable attention's shape buckets (`attention_plan.bucketed`); `layers` / `vision_layers` cut the depths
-    (None: the published ones)."""
+    448x448 (4 at 56x56), the engine's own token budget unless `max_num_batched_tokens` sets one; `buckets` (None:
+    the engine's setting) replaces the portable attention's shape buckets (`attention_plan.bucketed`); `layers` /
+    `vision_layers` cut the depths (None: the published ones)."""
     import functools
     import tempfile
 
@@ -164,7 +164,7 @@ def diag_engine(model_type: str, *, smoke: bool, layers: int | None, buckets: in
     dims = dict(SHAPES[model_type][1 if smoke else 0])
     frames, size = (4, (56, 56)) if smoke else (16, (448, 448))
     engine = dict(device="auto" if smoke else "gpu", max_model_len=8192, memory_budget_gb=None,
-                  max_num_batched_tokens="auto")
+                  max_num_batched_tokens=max_num_batched_tokens)
     tmp = Path(tempfile.mkdtemp(prefix=f"bj-{tag}-"))
     bench = build_model(model_type, dims, layers or dims["layers"], vision_layers or dims["v_depth"], frames, size, tmp,
                         "float32" if smoke else "bfloat16", engine)

@@ -15,14 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_diag_intake_ab_smoke(tmp_path):
     out = tmp_path / "ab.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "diag_intake_ab.py"), "--smoke", "--model",
-                           "qwen2_5_vl", "qwen3_vl", "--clips", "6", "--questions", "3", "--frames", "8", "--size",
-                           "112", "112", "--rounds", "2", "--max-num-batched-tokens", "512", "--json", str(out)],
+                           "qwen2_5_vl", "qwen3_vl", "--clips", "6", "--questions", "3", "--rounds", "2",
+                           "--max-num-batched-tokens", "256", "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [m["model_type"] for m in report["models"]] == ["qwen2_5_vl", "qwen3_vl"]
     for row in report["models"]:
-        assert row["requests"] == 18 and row["steps_tokens"] == 512
+        assert row["requests"] == 18 and row["steps_tokens"] == 256
         assert {k: len(v) for k, v in row["seconds"].items()} == {"ahead": 2, "up_front": 2}
         assert row["choices_agree"] == 1.0 and row["max_prob_diff"] < 1e-5
         assert abs(row["up_front_vs_ahead"] - row["up_front_s"] / row["ahead_s"]) < 1e-12

@@ -27,6 +27,21 @@ def _admit_all(self, tokens):
     return REAL_ADMIT(self, 10**12)
 
 
+class _Budget:
+    """`with _Budget(clf, n):` the engine's tokens per step set to `n` for the block (the shared engine keeps its
+    own after it)."""
+
+    def __init__(self, clf, tokens: int):
+        self.clf, self.tokens = clf, tokens
+
+    def __enter__(self):
+        self.saved = self.clf.config.max_num_batched_tokens
+        self.clf.config.max_num_batched_tokens = self.tokens
+
+    def __exit__(self, *exc):
+        self.clf.config.max_num_batched_tokens = self.saved
+
+
 def _clip_tokens(clf, clip) -> int:
     return clf._clip_plan(clip).num_tokens
 
@@ -67,13 +82,9 @@ def test_first_steps_towers_start_before_any_prompt(tiny_classifier, rng, make_c
     order = list(dict.fromkeys(r.clip.media_id for r in requests))
     admitted = [tokens[[c.media_id for c in clips].index(m)] for m in order]
     seen = prompt_probe(clf)
-    saved = clf.config.max_num_batched_tokens
-    clf.config.max_num_batched_tokens = budget
-    try:
-        before = clf.vision_calls
+    before = clf.vision_calls
+    with _Budget(clf, budget):
         results = clf.classify(requests)
-    finally:
-        clf.config.max_num_batched_tokens = saved
     assert all(r.error is None for r in results)
     assert seen[0] - before == _expected_started(admitted, budget)
     assert clf.vision_calls - before == len(clips)   # still once per clip
@@ -122,21 +133,6 @@ def test_nothing_kept_for_failed_clips(tiny_classifier, rng, make_clip, make_req
     for clip in (near, huge, bad):
         assert not clf._features.holds(clip.media_id)
 
-
-
-class _Budget:
-    """`with _Budget(clf, n):` the engine's tokens per step set to `n` for the block (the shared engine keeps its
-    own after it)."""
-
-    def __init__(self, clf, tokens: int):
-        self.clf, self.tokens = clf, tokens
-
-    def __enter__(self):
-        self.saved = self.clf.config.max_num_batched_tokens
-        self.clf.config.max_num_batched_tokens = self.tokens
-
-    def __exit__(self, *exc):
-        self.clf.config.max_num_batched_tokens = self.saved
 
 
 def _many_step_call(rng, make_clip, make_request, tag: str, clips: int):
