@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from batchjob.metal_backend import AttentionMetadata, KVCache, write_kv
+from batchjob.metal_backend import AttentionMetadata, KVCache, StackedHeads, write_kv
 
 from .cuda_fused import active as active_fused_kernels
 from .cuda_fused import qk_norm_rope_suits
@@ -95,7 +95,10 @@ class PagedAttention(nn.Module):
         else:
             q, k, qk = rotate_qk(q, k, cos, sin, ctx.rope, stacked=qkv)
         cache, layer = ctx.kv_cache, self.layer_index
-        cache.k[layer], cache.v[layer] = write_kv(cache.k[layer], cache.v[layer], k, v, ctx.meta)
+        # K and V named by the stacks they are views of: the cache write reads them there, with no copy first
+        k_new = k if qk is None else StackedHeads(qk, hq, hkv)
+        v_new = v if qkv is None else StackedHeads(qkv, hq + hkv, hkv)
+        cache.k[layer], cache.v[layer] = write_kv(cache.k[layer], cache.v[layer], k_new, v_new, ctx.meta)
         # The new K/V go along: sequences with nothing cached attend to them directly (no gather from the cache).
         out = ctx.attention(q, cache.k[layer], cache.v[layer], ctx.meta, inner.scale, new_kv=(k, v),
                             **attention_hints(ctx.attention, qk))

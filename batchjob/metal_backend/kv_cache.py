@@ -7,6 +7,8 @@ whatever mix of sequences it holds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from .metadata import AttentionMetadata
@@ -36,28 +38,69 @@ class KVCache:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
 
 
+@dataclass(frozen=True)
+class StackedHeads:
+    """Heads `[first, first + count)` of a `[T, H, D]` stack (a q/k/v projection's output, a rotated q/k stack):
+    the K or V a layer writes, named by where it lives so that the write can read it in place."""
+
+    stack: mx.array
+    first: int
+    count: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.stack.shape[0], self.count, self.stack.shape[2])
+
+
+def _word(dtype: mx.Dtype, head_dim: int) -> mx.Dtype:
+    """Half-precision rows move as 32-bit words where a head is whole words: the same bits, half the elements
+    for the scatter to index."""
+    return mx.uint32 if dtype.size == 2 and head_dim % 2 == 0 else dtype
+
+
+def head_rows(heads: mx.array | StackedHeads, dtype: mx.Dtype) -> mx.array:
+    """`[T, Hkv * D]` rows of `heads` in `dtype`, as the cache write scatters them (`_word`). Of a `StackedHeads`
+    the rows are a strided view of the stack's words, which the scatter reads in place; a `[T, Hkv, D]` view of
+    a stack would be copied first, since MLX widens the element of a non-contiguous array only through a copy."""
+    if isinstance(heads, StackedHeads):
+        stack, first, count = heads.stack, heads.first, heads.count
+    else:
+        stack, first, count = heads, 0, heads.shape[1]
+    tokens, num_heads, d = stack.shape
+    word = _word(dtype, d)
+    flat = stack.astype(dtype).reshape(tokens, num_heads * d)
+    per_head = d
+    if word != dtype:
+        flat, per_head = flat.view(word), d // 2
+    if first == 0 and count == num_heads:
+        return flat
+    return flat[:, first * per_head:(first + count) * per_head]
+
+
 def write_kv(
-    k_cache: mx.array, v_cache: mx.array, k_new: mx.array, v_new: mx.array, meta: AttentionMetadata
+    k_cache: mx.array, v_cache: mx.array, k_new: mx.array | StackedHeads, v_new: mx.array | StackedHeads,
+    meta: AttentionMetadata,
 ) -> tuple[mx.array, mx.array]:
-    """Scatter new K/V `[T, Hkv, D]` into their slots; returns the updated caches (lazy, no host sync).
+    """Scatter new K/V `[T, Hkv, D]` (arrays, or `StackedHeads` of the stacks they are views of) into their
+    slots; returns the updated caches (lazy, no host sync).
 
     The caller stores the returned arrays back (e.g. `cache.k[l], cache.v[l] = write_kv(...)`): MLX arrays
     are values, and keeping the update in the graph is what keeps the layer free of host syncs.
     """
     nb, bs, hkv, d = k_cache.shape
-    if k_new.shape != v_new.shape or k_new.shape[1:] != (hkv, d) or k_new.shape[0] != meta.num_tokens:
+    if tuple(k_new.shape) != tuple(v_new.shape) or tuple(k_new.shape[1:]) != (hkv, d) \
+            or k_new.shape[0] != meta.num_tokens:
         raise ValueError(
-            f"write_kv: new K {k_new.shape} / V {v_new.shape} must both be [num_tokens={meta.num_tokens}, "
-            f"num_kv_heads={hkv}, head_dim={d}] to match the cache {k_cache.shape} and the metadata"
+            f"write_kv: new K {tuple(k_new.shape)} / V {tuple(v_new.shape)} must both be [num_tokens="
+            f"{meta.num_tokens}, num_kv_heads={hkv}, head_dim={d}] to match the cache {k_cache.shape} and the "
+            "metadata"
         )
     if meta.block_size != bs:
         raise ValueError(f"write_kv: metadata built for block_size {meta.block_size}, cache has {bs}")
-    slots, width, dtype = meta.slot_mapping, hkv * d, k_cache.dtype
-    # Half-precision rows move as 32-bit words: the same bits, half the elements for the scatter to index.
-    word = mx.uint32 if dtype.size == 2 and width % 2 == 0 else dtype
+    dtype, word = k_cache.dtype, _word(k_cache.dtype, d)
     written = []
     for cache, new in ((k_cache, k_new), (v_cache, v_new)):
-        flat = cache.reshape(nb * bs, width).view(word)
-        flat[slots] = new.astype(dtype).reshape(meta.num_tokens, width).view(word)
+        flat = cache.reshape(nb * bs, hkv * d).view(word)
+        flat[meta.slot_mapping] = head_rows(new, dtype)
         written.append(flat.view(dtype).reshape(nb, bs, hkv, d))
     return written[0], written[1]

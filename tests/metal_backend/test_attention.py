@@ -6,7 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchjob.metal_backend import SeqSlice, build_attention_metadata, paged_attention, write_kv
+from batchjob.metal_backend import (SeqSlice, StackedHeads, build_attention_metadata, head_rows, paged_attention,
+                                    write_kv)
 from batchjob.metal_backend.attention import decode_groups
 from batchjob.metal_backend.probe import make_ragged_batch
 
@@ -97,6 +98,45 @@ def test_write_kv_scatters_into_slots_and_leaves_the_rest(rng):
             t += 1
     np.testing.assert_array_equal(np.array(k), expect_k)
     np.testing.assert_array_equal(np.array(v), expect_v)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("head_dim", [64, 5])
+def test_write_kv_from_stacked_heads_equals_the_walk(rng, dtype, head_dim):
+    """K and V named as heads of the q/k/v stack they are views of (what the engine's layers pass) land in the
+    same slots, bit for bit, as a walk through the block tables writes them; half-precision rows move as words
+    only where a head is whole words (head_dim 64, not 5)."""
+    nb, bs, hq, hkv = 10, 16, int(rng.integers(1, 5)), int(rng.integers(1, 3))
+    perm = [int(b) for b in rng.permutation(nb)]
+    slices = [SeqSlice(perm[0:2], int(rng.integers(0, 16)), int(rng.integers(1, 17))),
+              SeqSlice(perm[2:6], 16, int(rng.integers(1, 48)))]
+    meta = build_attention_metadata(slices, bs)
+    cache0 = rng.standard_normal((2, nb, bs, hkv, head_dim)).astype(np.float32)
+    stack = rng.standard_normal((meta.num_tokens, hq + 2 * hkv, head_dim)).astype(np.float32)
+    stack_mx = mx.array(stack).astype(dtype)
+    k, v = write_kv(mx.array(cache0[0]).astype(dtype), mx.array(cache0[1]).astype(dtype),
+                    StackedHeads(stack_mx, hq, hkv), StackedHeads(stack_mx, hq + hkv, hkv), meta)
+    rows = head_rows(StackedHeads(stack_mx, hq, hkv), dtype)
+    assert rows.dtype == (mx.uint32 if dtype != mx.float32 and head_dim % 2 == 0 else dtype)
+    stack_back = np.array(stack_mx.astype(mx.float32))   # the values in `dtype`, exactly
+    expect = np.array(mx.array(cache0).astype(dtype).astype(mx.float32))
+    t = 0
+    for s in slices:
+        for pos in range(s.num_computed, s.num_computed + s.num_new):
+            blk, off = s.block_table[pos // bs], pos % bs
+            expect[0, blk, off], expect[1, blk, off] = stack_back[t, hq:hq + hkv], stack_back[t, hq + hkv:]
+            t += 1
+    np.testing.assert_array_equal(np.array(k.astype(mx.float32)), expect[0])
+    np.testing.assert_array_equal(np.array(v.astype(mx.float32)), expect[1])
+    assert k.dtype == v.dtype == dtype
+
+
+def test_write_kv_rejects_heads_of_the_wrong_shape(rng):
+    meta = build_attention_metadata([SeqSlice([0], 0, 5)], 16)
+    cache = mx.zeros((2, 16, 2, 8))
+    stack = mx.zeros((5, 6, 8))
+    with pytest.raises(ValueError, match=r"num_kv_heads=2"):
+        write_kv(cache, cache, StackedHeads(stack, 2, 3), StackedHeads(stack, 5, 1), meta)
 
 
 def test_chunked_prefill_equals_single_pass(rng):
