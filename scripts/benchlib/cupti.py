@@ -71,10 +71,27 @@ def charge(gap: tuple[float, float], phases: list[tuple[float, float, str]]) -> 
     return out
 
 
-def idle_by_phase(trace: Path, call: str = "call", min_gap_us: float = 20.0) -> list[dict]:
+def top_kernels(events: list[dict], lo: float, hi: float, count: int) -> dict[str, dict]:
+    """The `count` kernel names with the most GPU time starting within [lo, hi): calls, ms and the largest launch
+    grid each (names cut to 100 characters: templated kernels' names run long; the grid hints at the size)."""
+    totals: dict[str, list] = {}
+    for e in events:
+        if e.get("cat") == "kernel" and lo <= float(e["ts"]) < hi:
+            t = totals.setdefault(str(e.get("name", "?"))[:100], [0, 0.0, []])
+            t[0] += 1
+            t[1] += float(e.get("dur", 0) or 0) / 1e3
+            t[2] = max(t[2], list(e.get("args", {}).get("grid", [])))
+    top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:count]
+    return {name: {"count": n, "ms": round(ms, 3), "grid": grid} for name, (n, ms, grid) in top}
+
+
+def idle_by_phase(trace: Path, call: str = "call", min_gap_us: float = 20.0, kernels: int = 0,
+                  timeline_gap_us: float = 2000.0) -> list[dict]:
     """Per host range named `call` (in trace order): its wall ms, the GPU's busy ms inside it, and its idle ms
     (gaps of at least `min_gap_us` between busy intervals, from the range's start to its end) charged to the
-    host phase running then (`charge`)."""
+    host phase running then (`charge`); the gaps of at least `timeline_gap_us` in order (`gaps`: ms from the
+    call's start, length, the phases charged); with `kernels`, that many of its costliest kernels
+    (`top_kernels`)."""
     events = _events(trace)
     marks = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0) or 0), e.get("name", "?")) for e in events
                    if e.get("cat") == "user_annotation")
@@ -85,14 +102,22 @@ def idle_by_phase(trace: Path, call: str = "call", min_gap_us: float = 20.0) -> 
     for lo, hi, _ in calls:
         inside = [(max(a, lo), min(b, hi)) for a, b in busy if b > lo and a < hi]
         idle: dict[str, float] = {}
+        gaps = []
         edge = lo
         for a, b in inside + [(hi, hi)]:
             if a - edge >= min_gap_us:
-                for name, us in charge((edge, a), phases).items():
+                charged = charge((edge, a), phases)
+                for name, us in charged.items():
                     idle[name] = idle.get(name, 0.0) + us
+                if a - edge >= timeline_gap_us:
+                    gaps.append({"at_ms": round((edge - lo) / 1e3, 2), "ms": round((a - edge) / 1e3, 2),
+                                 "phases": {k: round(v / 1e3, 2) for k, v in charged.items()}})
             edge = max(edge, b)
         rows.append({"wall_ms": (hi - lo) / 1e3, "gpu_busy_ms": sum(b - a for a, b in inside) / 1e3,
-                     "idle_ms": {k: round(v / 1e3, 3) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])}})
+                     "idle_ms": {k: round(v / 1e3, 3) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])},
+                     "gaps": gaps})
+        if kernels:
+            rows[-1]["kernels"] = top_kernels(events, lo, hi, kernels)
     return rows
 
 
@@ -132,11 +157,13 @@ def engine_phases(clf, call: tuple[object, str]) -> list[tuple[object, str, str 
     from batchjob.engine.scheduler import Scheduler
 
     try:
-        from batchjob.engine.intake import CallIntake   # the call's start and each step's look-ahead
+        from batchjob.engine import intake   # the call's start and each step's look-ahead
     except ImportError:   # an older engine's A/B copy: its call started with Classifier._start_towers
-        CallIntake = None
+        intake = None
+    CallIntake, StepAhead = (getattr(intake, name, None) for name in ("CallIntake", "StepAhead"))
     phases = [(*call, "call"), (clf, "_start_towers", "towers first"), (CallIntake, "start", "towers first"),
-              (CallIntake, "look_ahead", "look-ahead"), (clf, "_prepare", "prepare"),
+              (CallIntake, "look_ahead", "look-ahead"), (StepAhead, "piece", "look-ahead"),
+              (StepAhead, "finish", "look-ahead"), (clf, "_prepare", "prepare"),
               (Scheduler, "schedule", "schedule"), (Scheduler, "finish_step", "finish step"),
               (clf, "_video_rows", "video rows"), (classifier_module, "_result", "results"),
               (runner, "build_attention_metadata", "forward: metadata"), (runner, "_embed", "forward: embed"),
@@ -145,9 +172,9 @@ def engine_phases(clf, call: tuple[object, str]) -> list[tuple[object, str, str 
     return [p for p in phases if p[0] is not None and hasattr(p[0], p[1])]   # an older engine's copy may lack one
 
 
-def traced_idle(run: Callable[[], object], phases: list) -> list[dict]:
+def traced_idle(run: Callable[[], object], phases: list, kernels: int = 0) -> list[dict]:
     """`run()` under torch.profiler (CUPTI) with `phases` marked: per call, its wall, the GPU's busy time and its
-    idle time by phase (`idle_by_phase`)."""
+    idle time by phase, and its `kernels` costliest kernels (`idle_by_phase`)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -157,4 +184,4 @@ def traced_idle(run: Callable[[], object], phases: list) -> list[dict]:
         with marked(phases), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             run()
         prof.export_chrome_trace(str(trace))
-        return idle_by_phase(trace)
+        return idle_by_phase(trace, kernels=kernels)

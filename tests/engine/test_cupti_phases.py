@@ -68,3 +68,46 @@ def test_gaps_shorter_than_the_threshold_are_not_idle(tmp_path):
     kernels = [(0, 100, "kernel"), (110, 200, "kernel"), (300, 400, "kernel")]   # gaps of 10 and 100 us
     rows = idle_by_phase(_trace(tmp_path, [(0, 400)], [(0, 400, "forward")], kernels), min_gap_us=20)
     assert rows[0]["idle_ms"] == {"forward": 0.1} and abs(rows[0]["gpu_busy_ms"] - 0.29) < 1e-9
+
+
+def _idle_runs(call, kernels) -> list[tuple[int, int]]:
+    """Maximal runs of microseconds inside `call` with no kernel running, one microsecond at a time."""
+    runs, start = [], None
+    for t in range(*call):
+        idle = not any(a <= t < b for a, b, _ in kernels)
+        if idle and start is None:
+            start = t
+        if not idle and start is not None:
+            runs.append((start, t))
+            start = None
+    return runs + ([(start, call[1])] if start is not None else [])
+
+
+def test_the_timeline_lists_the_long_gaps_and_the_costliest_kernels(tmp_path):
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    for trial in range(20):
+        lo, hi = int(rng.integers(0, 100)), int(rng.integers(600, 900))
+        kernels, names = [], ["gemm", "norm", "copy", "rope"]
+        for _ in range(int(rng.integers(0, 12))):
+            a = int(rng.integers(lo - 30, hi))
+            kernels.append((a, a + int(rng.integers(1, 90)), "kernel"))
+        named = [(a, b, str(rng.choice(names))) for a, b, _ in kernels]
+        events = [{"cat": "user_annotation", "name": "call", "ts": lo, "dur": hi - lo}]
+        events += [{"cat": "kernel", "name": n, "ts": a, "dur": b - a, "args": {"grid": [b - a, 1, 1]}}
+                   for a, b, n in named]
+        path = tmp_path / "trace.json"
+        path.write_text(json.dumps({"traceEvents": events}))
+        threshold = int(rng.integers(1, 60))
+        (row,) = idle_by_phase(path, min_gap_us=0, kernels=2, timeline_gap_us=threshold)
+        runs = [(a, b) for a, b in _idle_runs((lo, hi), kernels) if b - a >= threshold]
+        assert [(g["at_ms"], g["ms"]) for g in row["gaps"]] == [(round((a - lo) / 1e3, 2), round((b - a) / 1e3, 2))
+                                                                for a, b in runs], trial
+        totals: dict[str, list] = {}
+        for a, b, n in named:
+            if lo <= a < hi:   # a kernel counts for the call it starts in
+                t = totals.setdefault(n, [0, 0, []])
+                t[0], t[1], t[2] = t[0] + 1, t[1] + b - a, max(t[2], [b - a, 1, 1])
+        top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:2]
+        assert {n: (c, round(us / 1e3, 3)) for n, (c, us, _) in top} == \
+            {n: (k["count"], k["ms"]) for n, k in row["kernels"].items()}, trial
+        assert all(row["kernels"][n]["grid"] == g for n, (_, _, g) in top)
