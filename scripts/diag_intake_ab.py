@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """The 64 x 4 job of bench_gpu.py in one `classify` call, with the call's host work a step ahead of the device
-(engine/intake.py, the engine as it is) against the same engine with every prompt built up front and each step
-starting its own towers (the engine before intake.py), alternated on one model in one process.
+(engine/intake.py, the engine as it is) against other forms of it, alternated on one model in one process:
+`up_front`, every prompt built up front and each step starting its own towers (the engine before intake.py);
+`at_queued`, the work ahead of a step done only once the pass before it is queued (the twenty-first session's).
 
-    python3 scripts/diag_intake_ab.py --model qwen2_5_vl qwen3_vl --layers 28 --vision-layers 32 --json F
+    python3 scripts/diag_intake_ab.py --model qwen2_5_vl qwen3_vl --against up_front at_queued --json F
 
-Prints per model the median wall time of each variant, their ratio, and how far their answers agree (the same
+Prints per model the median wall time of each variant, their ratios, and how far their answers agree (the same
 prompts, scheduled alike; on a GPU in bf16, a pass's rows may round differently)."""
 from __future__ import annotations
 
@@ -27,19 +28,53 @@ from batchjob.synthetic.random_engine import SHAPES
 def up_front():
     """The engine before intake.py: towers of the first step, then every prompt; no look-ahead (its first step's
     towers now include the clip the step's end cuts, which that engine left to the step)."""
-    from batchjob.engine.intake import CallIntake
+    from batchjob.engine.intake import CallIntake, StepAhead
 
-    start, look_ahead = CallIntake.start, CallIntake.look_ahead
+    start, ahead = CallIntake.start, CallIntake.ahead
 
     def start_all(self):
         self.start_towers(self.budget)
         self.admit(float("inf"))
 
-    CallIntake.start, CallIntake.look_ahead = start_all, lambda self, batch: None
+    # nothing ahead: every prompt is in, and no tower is started before the step that reads it
+    CallIntake.start, CallIntake.ahead = start_all, lambda self, batch: StepAhead(self, 0)
     try:
         yield
     finally:
-        CallIntake.start, CallIntake.look_ahead = start, look_ahead
+        CallIntake.start, CallIntake.ahead = start, ahead
+
+
+@contextmanager
+def at_queued():
+    """The twenty-first session's intake: two steps' prompts built before the first step, and the work ahead of
+    each later step done once its pass is wholly queued, none at the waits between its layers."""
+    from batchjob.engine.intake import ADMIT_STEPS, CallIntake, StepAhead
+
+    start, ahead = CallIntake.start, CallIntake.ahead
+
+    class QueuedOnly(StepAhead):
+        def piece(self):
+            return False
+
+        def finish(self):
+            while StepAhead.piece(self):
+                pass
+
+    def start_two(self):
+        self.start_towers(self.budget)
+        self.admit(ADMIT_STEPS * self.budget)
+
+    def queued_only(self, batch):
+        return QueuedOnly(self, ahead(self, batch).tower_budget)
+
+    CallIntake.start, CallIntake.ahead = start_two, queued_only
+    try:
+        yield
+    finally:
+        CallIntake.start, CallIntake.ahead = start, ahead
+
+
+VARIANTS = {"ahead": nullcontext, "up_front": up_front, "at_queued": at_queued}
 
 
 def run_model(model_type: str, args) -> dict:
@@ -50,12 +85,13 @@ def run_model(model_type: str, args) -> dict:
     clf = diag.bench.classifier
     workload = make_workload(diag.bench, np.random.default_rng(0), args.clips, args.questions, diag.frames, diag.size,
                              "w")
-    times: dict[str, list[float]] = {"ahead": [], "up_front": []}
+    variants = ["ahead"] + [v for v in args.against if v != "ahead"]
+    times: dict[str, list[float]] = {v: [] for v in variants}
     answers: dict[str, list] = {}
-    for round_ in range(args.rounds + 1):   # round 0 warms both variants (kernels, shapes) and is not counted
-        for variant in ("ahead", "up_front") if round_ % 2 else ("up_front", "ahead"):
+    for round_ in range(args.rounds + 1):   # round 0 warms every variant (kernels, shapes) and is not counted
+        for variant in variants[round_ % len(variants):] + variants[:round_ % len(variants)]:
             requests = fresh(workload, f"{variant}{round_}")
-            with up_front() if variant == "up_front" else nullcontext():
+            with VARIANTS[variant]():
                 t0 = time.perf_counter()
                 results = clf.classify(requests)
                 seconds = time.perf_counter() - t0
@@ -63,17 +99,23 @@ def run_model(model_type: str, args) -> dict:
             answers.setdefault(variant, results)
             if round_:
                 times[variant].append(seconds)
-    pairs = list(zip(answers["ahead"], answers["up_front"]))
-    same = float(np.mean([a.choice == b.choice for a, b in pairs]))
-    prob_diff = max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in pairs)
     row = {"model_type": model_type, "layers": diag.bench.layers, "vision_layers": diag.bench.vision_layers,
            "requests": len(workload), "steps_tokens": clf.max_num_batched_tokens, "seconds": times,
-           "choices_agree": same, "max_prob_diff": prob_diff, "ahead_s": median(times["ahead"]),
-           "up_front_s": median(times["up_front"])}
-    row["up_front_vs_ahead"] = row["up_front_s"] / row["ahead_s"]
-    print(f"[{model_type}] {len(workload)} requests: ahead {row['ahead_s']:.3f} s, up front {row['up_front_s']:.3f} s "
-          f"(medians of {args.rounds}): the look-ahead {row['up_front_vs_ahead']:.3f}x; choices agree {same:.3f}, "
-          f"probabilities within {prob_diff:.2e}", flush=True)
+           "ahead_s": median(times["ahead"])}
+    summary = []
+    for variant in variants[1:]:
+        pairs = list(zip(answers["ahead"], answers[variant]))
+        same = float(np.mean([a.choice == b.choice for a, b in pairs]))
+        prob_diff = max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in pairs)
+        row[f"{variant}_s"] = median(times[variant])
+        row[f"{variant}_vs_ahead"] = row[f"{variant}_s"] / row["ahead_s"]
+        if variant == variants[1]:   # the first comparison keeps the keys of earlier results files
+            row["choices_agree"], row["max_prob_diff"] = same, prob_diff
+        row[f"{variant}_choices_agree"], row[f"{variant}_max_prob_diff"] = same, prob_diff
+        summary.append(f"{variant} {row[f'{variant}_s']:.3f} s, ahead {row[f'{variant}_vs_ahead']:.3f}x faster "
+                       f"(choices agree {same:.3f}, probabilities within {prob_diff:.2e})")
+    print(f"[{model_type}] {len(workload)} requests: ahead {row['ahead_s']:.3f} s (medians of {args.rounds}); "
+          + "; ".join(summary), flush=True)
     return row
 
 
@@ -87,6 +129,8 @@ def main() -> None:
     parser.add_argument("--clips", type=int, default=64)
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--against", nargs="+", default=["up_front"], choices=sorted(VARIANTS),
+                        help="the variants timed against the engine as it is (`ahead`)")
     parser.add_argument("--max-num-batched-tokens", default="auto", type=lambda v: v if v == "auto" else int(v))
     parser.add_argument("--json")
     parser.add_argument("--smoke", action="store_true", help="tiny dims, fp32, 4 frames at 56x56, on any device")

@@ -7,7 +7,6 @@ answers, not its probability of emitting that token among the whole vocabulary).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -296,9 +295,10 @@ class Classifier:
                     intake.admit(scheduler.budget)
                     continue
                 batch = scheduler.schedule()
+                ahead = intake.ahead(batch)
                 out = forward(self.checkpoint.model, batch, self.kv_cache, self._attention,
                               self._video_rows(batch, requests), self.checkpoint.family.num_deepstack,
-                              on_first_wait=self.on_device_busy, on_queued=functools.partial(intake.look_ahead, batch))
+                              on_first_wait=self.on_device_busy, on_wait=ahead.piece, on_queued=ahead.finish)
                 for row, slot in enumerate(out.finished_slices):
                     seq = batch[slot].seq
                     intake.results[seq.index] = _result(requests[seq.index].request_id, seq, out.logits[row])

@@ -4,10 +4,11 @@ Why: done in step order, a call's host work (rendering and tokenizing prompts, b
 scheduling) runs while the device has nothing queued: every prompt before the first step, each step's towers after
 the step before it has returned. Nothing a step needs from the host depends on the answers of the step before (a
 prefill's token counts are known up front), so the host can do it earlier:
-- before the first step, only the towers that step encodes are started and only the prompts it can take are
-  built;
-- once a step's pass is queued (`runner.forward`'s `on_queued`), the next step's towers are queued behind it and
-  the prompts for the step after are built, while the device runs the pass.
+- before the first step, only the towers that step encodes are started and only the prompts it takes are built;
+- while a step's pass runs, the host's waits between its layers (`runner.forward`'s `on_wait`) do the next step's
+  towers and the prompts for the step after, a piece at a time (`StepAhead`); what is left is done once the whole
+  pass is queued (`on_queued`). Towers queued mid-pass run between the pass's layers: the same device work, with no
+  gap left for the host's.
 
 Features are then held for at most one step ahead, and the clip that step's end cuts
 (`classifier.plan_engine_memory` counts them). The guess of what the next step reaches counts video tokens only,
@@ -94,31 +95,34 @@ class CallIntake:
         return self.next_prepare == len(self.groups)
 
     def start(self) -> None:
-        """Before the first step: its towers, then its prompts (the towers are device work that needs none of
-        the prompts' host work)."""
+        """Before the first step: its towers, then the prompts it takes (the towers are device work that needs none of
+        the prompts' host work; the prompts of later steps are built while its pass runs)."""
         self.start_towers(self.budget)
-        self.admit(ADMIT_STEPS * self.budget)
+        self.admit(self.budget)
 
-    def look_ahead(self, batch: list[ScheduledSlice]) -> None:
-        """`batch`'s pass is queued: queue the next step's towers behind it, then build prompts for the step after.
-        The next step first continues the running prompts (what `batch` leaves of them), then admits new ones."""
+    def ahead(self, batch: list[ScheduledSlice]) -> StepAhead:
+        """The host work for the steps after `batch`, to do while its pass runs. The next step first continues the
+        running prompts (what `batch` leaves of them), then admits new ones."""
         carried = sum(seq.remaining for seq in self.scheduler.running) - sum(s.num_new for s in batch)
-        self.start_towers(self.budget - carried)
-        self.admit(ADMIT_STEPS * self.budget)
+        return StepAhead(self, self.budget - carried)
 
-    def start_towers(self, budget: int) -> None:
-        """Start the towers of the clips a step of `budget` new tokens reaches, in admission order: each clip while
-        the video tokens before it stay under the budget (the clip a step's end cuts is encoded whole). A clip with
-        features or a tail already kept, whose input fails its check, whose video alone fills `max_model_len`, or
-        whose requests are done or failed, needs none (failures are reported by the preparation)."""
-        while self.next_tower < len(self.groups) and budget > 0:
+    def start_towers(self, budget: int, most: int | None = None) -> int:
+        """Start the towers of the clips a step of `budget` new tokens reaches, in admission order (at most `most` of
+        them): each clip while the video tokens before it stay under the budget (the clip a step's end cuts is
+        encoded whole). A clip with features or a tail already kept, whose input fails its check, whose video alone
+        fills `max_model_len`, or whose requests are done or failed, needs none (failures are reported by the
+        preparation). Returns the budget left."""
+        started = 0
+        while self.next_tower < len(self.groups) and budget > 0 and (most is None or started < most):
             group = self.groups[self.next_tower]
             plan = self._needs_tower(group)
             if plan is not None:
                 self.clf._encode(group.key, self.requests[group.indices[0]].clip, plan.grid_thw)
                 self.started.add(group.key)
                 budget -= plan.num_tokens
+                started += 1
             self.next_tower += 1
+        return budget
 
     def _needs_tower(self, group: KeyGroup) -> VideoPlan | None:
         """The clip's plan when its tower should start now, else None (see `start_towers`)."""
@@ -130,14 +134,16 @@ class CallIntake:
             return None
         return plan if plan.num_tokens < self.clf.config.max_model_len else None
 
-    def admit(self, tokens: int) -> None:
-        """Build the prompts of whole groups, in order, until the requests waiting to be scheduled hold about
-        `tokens` new tokens (`new_tokens`), or every group is in. A group none of whose requests can be prepared is
-        closed, its tower (if started ahead) released."""
+    def admit(self, tokens: int, most: int | None = None) -> bool:
+        """Build the prompts of whole groups (at most `most` of them), in order, until the requests waiting to be
+        scheduled hold about `tokens` new tokens (`new_tokens`), or every group is in. A group none of whose
+        requests can be prepared is closed, its tower (if started ahead) released. Returns whether it took any."""
         waiting = self._waiting_tokens()
-        while self.next_prepare < len(self.groups) and waiting < tokens:
+        took = 0
+        while self.next_prepare < len(self.groups) and waiting < tokens and (most is None or took < most):
             group = self.groups[self.next_prepare]
             self.next_prepare += 1
+            took += 1
             admitted = []
             for i in group.indices:
                 request = self.requests[i]
@@ -153,6 +159,7 @@ class CallIntake:
                 self.pending[group.key] = self.pending.get(group.key, 0) + len(admitted)
             else:
                 self.close(group.key)
+        return took > 0
 
     def _waiting_tokens(self) -> int:
         seen: set[str] = set()
@@ -181,3 +188,26 @@ class CallIntake:
         for key in set(self.pending) | (self.started - self.closed):
             self.clf._features.release_clip(key, 0, keep_tail=False)
         self.pending.clear()
+
+
+@dataclass
+class StepAhead:
+    """The host work for the steps after a scheduled pass, in pieces: the next step's towers, one clip a piece, then
+    prompts until those waiting hold ADMIT_STEPS steps' tokens, one clip's requests a piece. `runner.forward` does a
+    piece at each wait on the pass's layers (`piece`, its `on_wait`: the layers queued then cover it) and the rest
+    once the whole pass is queued (`finish`, its `on_queued`)."""
+
+    intake: CallIntake
+    tower_budget: int   # new tokens of the next step whose clips' towers are yet to be started
+
+    def piece(self) -> bool:
+        """One piece of the work; False when none is left."""
+        intake = self.intake
+        if self.tower_budget > 0 and intake.next_tower < len(intake.groups):
+            self.tower_budget = intake.start_towers(self.tower_budget, most=1)
+            return True
+        return intake.admit(ADMIT_STEPS * intake.budget, most=1)
+
+    def finish(self) -> None:
+        while self.piece():
+            pass

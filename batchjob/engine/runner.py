@@ -82,6 +82,7 @@ def forward(
     video_features: Mapping[str, FeatureRows],
     num_deepstack: int = 0,
     on_first_wait: Callable[[], None] | None = None,
+    on_wait: Callable[[], object] | None = None,
     on_queued: Callable[[], None] | None = None,
 ) -> ForwardOutput:
     """Run the decoder over the packed batch, writing KV; logits only at finishing sequences' last token.
@@ -89,8 +90,9 @@ def forward(
     With DeepStack (Qwen3-VL), feature set i is added to the video tokens' hidden states after layer i. Each
     layer is queued as soon as it is built, at most LAYER_LAG ahead of the GPU. `on_first_wait` is called once,
     when the host first waits on the device (work queued, the thread about to idle: `Classifier.stage`'s turn).
-    `on_queued` is called once the whole pass is queued, before its logits are read: work queued there runs on the
-    device right after this pass (the next step's towers, `intake.CallIntake.look_ahead`)."""
+    `on_wait` is called before every wait on a layer, with LAYER_LAG + 1 layers queued to cover it: a short piece
+    of host work (`intake.StepAhead.piece`). `on_queued` is called once the whole pass is queued, before its logits
+    are read: work queued there runs on the device right after this pass (`intake.StepAhead.finish`)."""
     lm = model.language_model
     meta = build_attention_metadata([s.attention_slice() for s in batch], kv_cache.block_size)
     positions = np.concatenate(
@@ -115,6 +117,8 @@ def forward(
                     if on_first_wait is not None:
                         on_first_wait()
                         on_first_wait = None
+                    if on_wait is not None:
+                        on_wait()
                     mx.eval(queued.popleft())   # the GPU still holds LAYER_LAG layers: the host waits, the GPU does not
     if on_first_wait is not None:
         on_first_wait()

@@ -23,8 +23,12 @@ from batchjob.engine.intake import CallIntake, key_groups
 REAL_ADMIT = CallIntake.admit
 
 
-def _admit_all(self, tokens):
+def _admit_all(self, tokens, most=None):
     return REAL_ADMIT(self, 10**12)
+
+
+def _no_towers(self, budget, most=None):
+    return 0
 
 
 class _Budget:
@@ -102,7 +106,7 @@ def test_answers_equal_towers_started_by_their_step(tiny_classifier, rng, make_c
 
     early = clf.classify(renamed("early"))
     # the reference: every prompt built up front, every tower started by the step that needs it
-    monkeypatch.setattr(CallIntake, "start_towers", lambda self, budget: None)
+    monkeypatch.setattr(CallIntake, "start_towers", _no_towers)
     monkeypatch.setattr(CallIntake, "admit", _admit_all)
     late = clf.classify(renamed("late"))
     for a, b in zip(early, late):
@@ -211,14 +215,14 @@ def test_prompts_are_built_a_step_ahead(tiny_classifier, rng, make_clip, make_re
         lazy = clf.classify(requests)
     lazy_steps = [step for _, step in at_forward]
     first_built = at_forward[0][0]
-    monkeypatch.setattr(CallIntake, "start_towers", lambda self, budget: None)
+    monkeypatch.setattr(CallIntake, "start_towers", _no_towers)
     monkeypatch.setattr(CallIntake, "admit", _admit_all)
     at_forward.clear()
     with _Budget(clf, budget):
         eager = clf.classify([dataclasses.replace(r, clip=dataclasses.replace(r.clip, media_id=r.clip.media_id + "-e"))
                               for r in requests])
     assert lazy_steps == [step for _, step in at_forward] and len(lazy_steps) >= 4
-    # two steps' tokens are at most four prompts: four clips' requests and the clip that crosses the mark (one more
+    # one step's tokens are at most two prompts: the first clips' requests up to the clip that crosses the mark (more
     # for prompts of uneven length), never all of them
     order = list(dict.fromkeys(r.clip.media_id for r in requests))
     first_six = sum(1 for r in requests if r.clip.media_id in order[:6])
@@ -226,6 +230,68 @@ def test_prompts_are_built_a_step_ahead(tiny_classifier, rng, make_clip, make_re
     assert built[0] == 2 * len(requests)   # every prompt once per call
     for a, b in zip(lazy, eager):
         assert a.error is None and b.error is None and a.request_id == b.request_id
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+        assert a.prompt_tokens == b.prompt_tokens
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl-gqa", "qwen3_vl"])
+def test_work_ahead_is_done_at_the_pass_layer_waits(tiny_classifier, rng, make_clip, make_request, monkeypatch, name):
+    """With a layer to wait on (LAYER_LAG 1 over two layers), each pass that has work ahead does its first piece at
+    that wait, before the pass is wholly queued, and the rest once it is; the steps and answers are those of the
+    same call with no waits (LAYER_LAG 0: all of it done once the pass is queued)."""
+    from batchjob.engine import runner
+    from batchjob.engine.intake import StepAhead
+
+    clf = tiny_classifier(name, max_model_len=4096)
+    assert len(clf.checkpoint.model.language_model.model.layers) == 2
+    clips, requests = _many_step_call(rng, make_clip, make_request, "waits", int(rng.integers(8, 12)))
+    prompt = clf._prepare(0, requests[0], -1).num_tokens
+    budget = (int(rng.integers(prompt, 2 * prompt)) + 15) // 16 * 16
+    warm = [make_request(rng, f"warm{i}", dataclasses.replace(c, media_id=c.media_id + "-w"))
+            for i, c in enumerate(clips)]
+    assert all(r.error is None for r in clf.classify(warm))   # both calls below find the same text blocks cached
+    pieces, steps = [], []
+    real_piece, real_finish, real_forward = StepAhead.piece, StepAhead.finish, classifier_module.forward
+    finishing = [False]
+
+    def piece(self):
+        did = real_piece(self)
+        pieces[-1].append(("queued" if finishing[0] else "wait", did))
+        return did
+
+    def finish(self):
+        finishing[0] = True
+        try:
+            real_finish(self)
+        finally:
+            finishing[0] = False
+
+    def forward(model, batch, *a, **k):
+        pieces.append([])
+        steps.append([(s.seq.index, s.num_new) for s in batch])
+        return real_forward(model, batch, *a, **k)
+
+    monkeypatch.setattr(StepAhead, "piece", piece)
+    monkeypatch.setattr(StepAhead, "finish", finish)
+    monkeypatch.setattr(classifier_module, "forward", forward)
+    runs = {}
+    for lag in (1, 0):
+        monkeypatch.setattr(runner, "LAYER_LAG", lag)
+        pieces.clear()
+        steps.clear()
+        tagged = [dataclasses.replace(r, clip=dataclasses.replace(r.clip, media_id=f"{r.clip.media_id}-{lag}"))
+                  for r in requests]
+        with _Budget(clf, budget):
+            runs[lag] = (clf.classify(tagged), list(steps), [list(p) for p in pieces])
+    (paced, paced_steps, paced_pieces), (unpaced, unpaced_steps, unpaced_pieces) = runs[1], runs[0]
+    assert paced_steps == unpaced_steps and len(paced_steps) >= 4
+    assert all(where == "queued" for p in unpaced_pieces for where, _ in p)
+    for p in paced_pieces:
+        assert [where for where, _ in p][:1] == ["wait"] and sum(where == "wait" for where, _ in p) == 1
+        assert all(where == "queued" for where, _ in p[1:]) and p[-1][1] is False   # finished: nothing left
+    assert any(did for p in paced_pieces for where, did in p if where == "wait")   # real work done at a wait
+    for a, b in zip(paced, unpaced):
+        assert a.error is None and b.error is None and a.request_id.split("-")[0] == b.request_id.split("-")[0]
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
         assert a.prompt_tokens == b.prompt_tokens
 
