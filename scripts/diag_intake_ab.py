@@ -11,17 +11,13 @@ prompts, scheduled alike; on a GPU in bf16, a pass's rows may round differently)
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 
 import numpy as np
 
-import benchlib.env
 from benchlib.ceilings import median
-from benchlib.workload import diag_engine, fresh, make_workload
-from batchjob.synthetic.random_engine import SHAPES
+from benchlib.workload import add_job_diag_arguments, fresh, job_diag_engine, make_workload, run_job_diag
 
 
 @contextmanager
@@ -78,10 +74,7 @@ VARIANTS = {"ahead": nullcontext, "up_front": up_front, "at_queued": at_queued}
 
 
 def run_model(model_type: str, args) -> dict:
-    qwen3 = model_type == "qwen3_vl"
-    diag = diag_engine(model_type, smoke=args.smoke, layers=args.qwen3_layers if qwen3 else args.layers,
-                       vision_layers=args.qwen3_vision_layers if qwen3 else args.vision_layers, buckets=None,
-                       tag="intake", max_num_batched_tokens=args.max_num_batched_tokens)
+    diag = job_diag_engine(model_type, args, "intake", args.max_num_batched_tokens)
     clf = diag.bench.classifier
     workload = make_workload(diag.bench, np.random.default_rng(0), args.clips, args.questions, diag.frames, diag.size,
                              "w")
@@ -112,7 +105,7 @@ def run_model(model_type: str, args) -> dict:
         if variant == variants[1]:   # the first comparison keeps the keys of earlier results files
             row["choices_agree"], row["max_prob_diff"] = same, prob_diff
         row[f"{variant}_choices_agree"], row[f"{variant}_max_prob_diff"] = same, prob_diff
-        summary.append(f"{variant} {row[f'{variant}_s']:.3f} s, ahead {row[f'{variant}_vs_ahead']:.3f}x faster "
+        summary.append(f"{variant} {row[f'{variant}_s']:.3f} s = {row[f'{variant}_vs_ahead']:.3f}x ahead's "
                        f"(choices agree {same:.3f}, probabilities within {prob_diff:.2e})")
     print(f"[{model_type}] {len(workload)} requests: ahead {row['ahead_s']:.3f} s (medians of {args.rounds}); "
           + "; ".join(summary), flush=True)
@@ -121,25 +114,11 @@ def run_model(model_type: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", nargs="+", default=["qwen2_5_vl"], choices=sorted(SHAPES))
-    parser.add_argument("--layers", type=int)
-    parser.add_argument("--vision-layers", type=int)
-    parser.add_argument("--qwen3-layers", type=int)
-    parser.add_argument("--qwen3-vision-layers", type=int)
-    parser.add_argument("--clips", type=int, default=64)
-    parser.add_argument("--questions", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
+    add_job_diag_arguments(parser, rounds=5)
     parser.add_argument("--against", nargs="+", default=["up_front"], choices=sorted(VARIANTS),
                         help="the variants timed against the engine as it is (`ahead`)")
     parser.add_argument("--max-num-batched-tokens", default="auto", type=lambda v: v if v == "auto" else int(v))
-    parser.add_argument("--json")
-    parser.add_argument("--smoke", action="store_true", help="tiny dims, fp32, 4 frames at 56x56, on any device")
-    args = parser.parse_args()
-    report = {"environment": benchlib.env.environment(("mlx.core",)), "args": vars(args), "models": []}
-    for model_type in args.model:
-        report["models"].append(run_model(model_type, args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    run_job_diag(parser.parse_args(), run_model)
 
 
 if __name__ == "__main__":

@@ -11,17 +11,13 @@ busy and idle time, the idle charged to the host's phase, and the kernels that t
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 
-import benchlib.env
 from benchlib.ceilings import median
-from benchlib.workload import diag_engine, fresh, make_workload
-from batchjob.synthetic.random_engine import SHAPES
+from benchlib.workload import add_job_diag_arguments, fresh, job_diag_engine, make_workload, run_job_diag
 
 AUTO = "auto"
 
@@ -74,10 +70,7 @@ def traced(clf, requests, budget, kernels: int) -> dict:
 
 
 def run_model(model_type: str, args) -> dict:
-    qwen3 = model_type == "qwen3_vl"
-    diag = diag_engine(model_type, smoke=args.smoke, layers=args.qwen3_layers if qwen3 else args.layers,
-                       vision_layers=args.qwen3_vision_layers if qwen3 else args.vision_layers, buckets=None,
-                       tag="steps")
+    diag = job_diag_engine(model_type, args, "steps")
     clf = diag.bench.classifier
     auto_tokens = clf.max_num_batched_tokens
     rng = np.random.default_rng(0)
@@ -122,25 +115,11 @@ def run_model(model_type: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", nargs="+", default=["qwen2_5_vl"], choices=sorted(SHAPES))
-    parser.add_argument("--layers", type=int)
-    parser.add_argument("--vision-layers", type=int)
-    parser.add_argument("--qwen3-layers", type=int)
-    parser.add_argument("--qwen3-vision-layers", type=int)
-    parser.add_argument("--clips", type=int, default=64)
-    parser.add_argument("--questions", type=int, default=4)
+    add_job_diag_arguments(parser, rounds=3)
     parser.add_argument("--budgets", type=int, nargs="+", default=[4096, 8192, 12288, 16384, 24576, 32768])
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cupti", action="store_true", help="one more traced job run per budget (torch.profiler)")
     parser.add_argument("--kernels", type=int, default=8, help="with --cupti: how many of the costliest kernels")
-    parser.add_argument("--json")
-    parser.add_argument("--smoke", action="store_true", help="tiny dims, fp32, 4 frames at 56x56, on any device")
-    args = parser.parse_args()
-    report = {"environment": benchlib.env.environment(("mlx.core",)), "args": vars(args), "models": []}
-    for model_type in args.model:
-        report["models"].append(run_model(model_type, args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    run_job_diag(parser.parse_args(), run_model)
 
 
 if __name__ == "__main__":

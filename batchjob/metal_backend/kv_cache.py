@@ -47,6 +47,12 @@ class StackedHeads:
     first: int
     count: int
 
+    def __post_init__(self):
+        if self.stack.ndim != 3 or not (0 <= self.first and 1 <= self.count
+                                        and self.first + self.count <= self.stack.shape[1]):
+            raise ValueError(f"StackedHeads: heads [{self.first}, {self.first + self.count}) of a stack shaped "
+                             f"{tuple(self.stack.shape)}: the stack must be [T, H, D] and hold them")
+
     @property
     def shape(self) -> tuple[int, int, int]:
         return (self.stack.shape[0], self.count, self.stack.shape[2])

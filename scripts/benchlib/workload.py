@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -147,6 +148,45 @@ def add_diag_arguments(ap) -> None:
     ap.add_argument("--buckets", type=int, default=None, help="SDPA lengths per octave (default: the engine's)")
     ap.add_argument("--smoke", action="store_true", help="the small shape on the CPU (tests)")
     ap.add_argument("--json", type=Path, default=None)
+
+
+def add_job_diag_arguments(ap, rounds: int) -> None:
+    """The options of the diagnostics that time bench_gpu's 64 x 4 job per model row in one process (variants or
+    settings alternated round by round): the rows, their depths, the job's size, the rounds, the JSON, and the
+    small CPU shape for tests."""
+    from batchjob.synthetic.random_engine import SHAPES
+
+    ap.add_argument("--model", nargs="+", default=["qwen2_5_vl"], choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, help="Qwen2.5-VL text layers (default: the published depth)")
+    ap.add_argument("--vision-layers", type=int)
+    ap.add_argument("--qwen3-layers", type=int, help="Qwen3-VL text layers (default: the published depth)")
+    ap.add_argument("--qwen3-vision-layers", type=int)
+    ap.add_argument("--clips", type=int, default=64)
+    ap.add_argument("--questions", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--json")
+    ap.add_argument("--smoke", action="store_true", help="tiny dims, fp32, 4 frames at 56x56, on any device")
+
+
+def run_job_diag(args, run_model: Callable[[str, object], dict]) -> dict:
+    """`run_model(model_type, args)` for each `--model`; the report (environment, arguments, one row per model)
+    written to `--json` where given."""
+    from benchlib.env import environment
+
+    report = {"environment": environment(("mlx.core",)), "args": vars(args), "models": []}
+    for model_type in args.model:
+        report["models"].append(run_model(model_type, args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def job_diag_engine(model_type: str, args, tag: str, max_num_batched_tokens: int | str = "auto") -> DiagEngine:
+    """`diag_engine` at the depths `add_job_diag_arguments` took for this row."""
+    qwen3 = model_type == "qwen3_vl"
+    return diag_engine(model_type, smoke=args.smoke, layers=args.qwen3_layers if qwen3 else args.layers,
+                       vision_layers=args.qwen3_vision_layers if qwen3 else args.vision_layers, buckets=None,
+                       tag=tag, max_num_batched_tokens=max_num_batched_tokens)
 
 
 def diag_engine(model_type: str, *, smoke: bool, layers: int | None, buckets: int | None, tag: str,

@@ -30,4 +30,4 @@ def test_diag_intake_ab_smoke(tmp_path):
         for variant in ("up_front", "at_queued"):
             assert row[f"{variant}_choices_agree"] == 1.0 and row[f"{variant}_max_prob_diff"] < 1e-5
             assert abs(row[f"{variant}_vs_ahead"] - row[f"{variant}_s"] / row["ahead_s"]) < 1e-12
-    assert len(re.findall(r"(up_front|at_queued) [\d.]+ s, ahead [\d.]+x faster", done.stdout)) == 4
+    assert len(re.findall(r"(up_front|at_queued) [\d.]+ s = [\d.]+x ahead's", done.stdout)) == 4

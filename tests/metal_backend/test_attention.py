@@ -137,6 +137,9 @@ def test_write_kv_rejects_heads_of_the_wrong_shape(rng):
     stack = mx.zeros((5, 6, 8))
     with pytest.raises(ValueError, match=r"num_kv_heads=2"):
         write_kv(cache, cache, StackedHeads(stack, 2, 3), StackedHeads(stack, 5, 1), meta)
+    for first, count in ((5, 2), (-1, 2), (0, 0)):   # past the stack's heads, before them, none
+        with pytest.raises(ValueError, match=r"StackedHeads: heads"):
+            StackedHeads(stack, first, count)
 
 
 def test_chunked_prefill_equals_single_pass(rng):
