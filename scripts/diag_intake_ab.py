@@ -17,7 +17,8 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from benchlib.ceilings import median
-from benchlib.workload import add_job_diag_arguments, fresh, job_diag_engine, make_workload, run_job_diag
+from benchlib.workload import (add_job_diag_arguments, agreement, fresh, job_diag_engine, make_workload,
+                               run_job_diag)
 
 
 @contextmanager
@@ -97,9 +98,8 @@ def run_model(model_type: str, args) -> dict:
            "ahead_s": median(times["ahead"])}
     summary = []
     for variant in variants[1:]:
-        pairs = list(zip(answers["ahead"], answers[variant]))
-        same = float(np.mean([a.choice == b.choice for a, b in pairs]))
-        prob_diff = max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in pairs)
+        agree = agreement(answers["ahead"], answers[variant])
+        same, prob_diff = agree["choices_agree"], agree["max_prob_diff"]
         row[f"{variant}_s"] = median(times[variant])
         row[f"{variant}_vs_ahead"] = row[f"{variant}_s"] / row["ahead_s"]
         if variant == variants[1]:   # the first comparison keeps the keys of earlier results files

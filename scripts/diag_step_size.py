@@ -12,52 +12,26 @@ from __future__ import annotations
 
 import argparse
 import time
-from contextlib import contextmanager
 
 import numpy as np
 
 from benchlib.ceilings import median
-from benchlib.workload import add_job_diag_arguments, fresh, job_diag_engine, make_workload, run_job_diag
+from benchlib.steps import step_timeline
+from benchlib.workload import (add_job_diag_arguments, agreement, fresh, job_diag_engine, make_workload,
+                               run_job_diag)
 
 AUTO = "auto"
-
-
-@contextmanager
-def counted_steps(counts: list[int]):
-    """Each non-empty batch the scheduler hands out appends one to `counts` (a call's forward passes)."""
-    from batchjob.engine.scheduler import Scheduler
-
-    schedule = Scheduler.schedule
-
-    def counting(self):
-        batch = schedule(self)
-        if batch:
-            counts.append(len(batch))
-        return batch
-
-    Scheduler.schedule = counting
-    try:
-        yield
-    finally:
-        Scheduler.schedule = schedule
 
 
 def timed_call(clf, requests, budget) -> tuple[float, int, list]:
     """One call under `budget`: (seconds, forward passes, results)."""
     clf.config.max_num_batched_tokens = budget
-    steps: list[int] = []
-    with counted_steps(steps):
+    with step_timeline(clf) as log:
         t0 = time.perf_counter()
         results = clf.classify(requests)
         seconds = time.perf_counter() - t0
     assert all(r.error is None for r in results), [r.error for r in results if r.error][:3]
-    return seconds, len(steps), results
-
-
-def agreement(results: list, reference: list) -> dict:
-    pairs = list(zip(results, reference))
-    return {"choices_agree": float(np.mean([a.choice == b.choice for a, b in pairs])),
-            "max_prob_diff": max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in pairs)}
+    return seconds, len(log["forward_s"]), results
 
 
 def traced(clf, requests, budget, kernels: int) -> dict:

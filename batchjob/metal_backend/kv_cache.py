@@ -78,8 +78,6 @@ def head_rows(heads: mx.array | StackedHeads, dtype: mx.Dtype) -> mx.array:
     per_head = d
     if word != dtype:
         flat, per_head = flat.view(word), d // 2
-    if first == 0 and count == num_heads:
-        return flat
     return flat[:, first * per_head:(first + count) * per_head]
 
 

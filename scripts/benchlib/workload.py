@@ -115,6 +115,14 @@ def fresh(requests, tag: str) -> list:
     return out
 
 
+def agreement(results: list, reference: list) -> dict:
+    """How far two runs' answers to the same requests agree: the share of equal choices, the largest probability
+    difference."""
+    pairs = list(zip(results, reference))
+    return {"choices_agree": float(np.mean([a.choice == b.choice for a, b in pairs])),
+            "max_prob_diff": max(float(np.max(np.abs(np.subtract(a.probs, b.probs)))) for a, b in pairs)}
+
+
 def vary_questions(requests, rng, most_words: int = 7) -> list:
     """Each request's question 0-`most_words` words longer, drawn per request: prompt lengths differ from call to
     call as a job's do, so a run meets shapes it has not met before (what fixed workloads never pay)."""
