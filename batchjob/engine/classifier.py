@@ -294,7 +294,7 @@ class Classifier:
                 if not scheduler.has_work():   # every prompt admitted so far failed its preparation
                     intake.admit(scheduler.budget)
                     continue
-                batch = scheduler.schedule()
+                batch = scheduler.schedule(refill=intake.refill)
                 ahead = intake.ahead(batch)
                 out = forward(self.checkpoint.model, batch, self.kv_cache, self._attention,
                               self._video_rows(batch, requests), self.checkpoint.family.num_deepstack,

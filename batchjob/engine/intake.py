@@ -12,7 +12,10 @@ prefill's token counts are known up front), so the host can do it earlier:
 
 Features are then held for at most one step ahead, and the clip that step's end cuts
 (`classifier.plan_engine_memory` counts them). The guess of what the next step reaches counts video tokens only,
-so it never falls short of the step; a clip it missed all the same is encoded by the step that needs it.
+so it never falls short of the step; a clip it missed all the same is encoded by the step that needs it. The prompts
+built ahead are counted by an estimate of their new tokens (a cached prefix is known only once blocks are allocated);
+a step that takes every one of them with budget left builds more as it is scheduled (`refill`), so each step takes
+what it would with every prompt built up front.
 """
 
 from __future__ import annotations
@@ -141,25 +144,37 @@ class CallIntake:
         waiting = self._waiting_tokens()
         took = 0
         while self.next_prepare < len(self.groups) and waiting < tokens and (most is None or took < most):
-            group = self.groups[self.next_prepare]
-            self.next_prepare += 1
+            waiting += self._admit_group()
             took += 1
-            admitted = []
-            for i in group.indices:
-                request = self.requests[i]
-                try:
-                    seq = self.clf._prepare(i, request, self.call_id)
-                except ValueError as exc:
-                    self.results[i] = ClassifyResult(request.request_id, None, [], 0, 0, error=str(exc))
-                    continue
-                self.scheduler.add(seq)
-                admitted.append(seq)
-            waiting += sum(new_tokens(seq, follows=n > 0) for n, seq in enumerate(admitted))
-            if admitted:
-                self.pending[group.key] = self.pending.get(group.key, 0) + len(admitted)
-            else:
-                self.close(group.key)
         return took > 0
+
+    def refill(self) -> bool:
+        """The scheduler's `refill`: one more group, for a step that took every waiting prompt with budget left
+        (`new_tokens` overcounts a prompt whose prefix is cached). False when every group is in."""
+        if self.done:
+            return False
+        self._admit_group()
+        return True
+
+    def _admit_group(self) -> int:
+        """Build the next group's prompts into the scheduler; returns their estimated new tokens."""
+        group = self.groups[self.next_prepare]
+        self.next_prepare += 1
+        admitted = []
+        for i in group.indices:
+            request = self.requests[i]
+            try:
+                seq = self.clf._prepare(i, request, self.call_id)
+            except ValueError as exc:
+                self.results[i] = ClassifyResult(request.request_id, None, [], 0, 0, error=str(exc))
+                continue
+            self.scheduler.add(seq)
+            admitted.append(seq)
+        if admitted:
+            self.pending[group.key] = self.pending.get(group.key, 0) + len(admitted)
+        else:
+            self.close(group.key)
+        return sum(new_tokens(seq, follows=n > 0) for n, seq in enumerate(admitted))
 
     def _waiting_tokens(self) -> int:
         seen: set[str] = set()

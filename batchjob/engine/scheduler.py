@@ -16,6 +16,7 @@ not held back meanwhile.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,8 +111,10 @@ class Scheduler:
             raise _Wait
         return leader, written
 
-    def schedule(self) -> list[ScheduledSlice]:
-        """Running sequences continue first (oldest first), then waiting ones are admitted in order."""
+    def schedule(self, refill: Callable[[], bool] | None = None) -> list[ScheduledSlice]:
+        """Running sequences continue first (oldest first), then waiting ones are admitted in order. When the waiting
+        ones run out before the budget does, `refill` (if given) adds more and says whether any may follow: the
+        caller's prompts are built ahead on an estimate of their new tokens, which a cached prefix makes short."""
         budget = self.budget
         batch: list[ScheduledSlice] = []
         taken: dict[str, int] = {}   # new tokens of each sequence in this pass
@@ -123,7 +126,11 @@ class Scheduler:
             taken[seq.seq_id] = take
             budget -= take
         skipped: deque[Sequence] = deque()
-        while self.waiting and budget > 0:
+        while budget > 0:
+            if not self.waiting:
+                if refill is None or not refill():
+                    break
+                continue
             seq = self.waiting.popleft()
             try:
                 writer, written = self._writer(seq, taken)

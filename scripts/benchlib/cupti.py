@@ -79,10 +79,10 @@ def top_kernels(events: list[dict], lo: float, hi: float, count: int) -> dict[st
         if e.get("cat") == "kernel" and lo <= float(e["ts"]) < hi:
             t = totals.setdefault(str(e.get("name", "?"))[:100], [0, 0.0, []])
             t[0] += 1
-            t[1] += float(e.get("dur", 0) or 0) / 1e3
+            t[1] += float(e.get("dur", 0) or 0)
             t[2] = max(t[2], list(e.get("args", {}).get("grid", [])))
-    top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:count]
-    return {name: {"count": n, "ms": round(ms, 3), "grid": grid} for name, (n, ms, grid) in top}
+    top = sorted(totals.items(), key=lambda kv: (-kv[1][1], kv[0]))[:count]   # equal times: by name
+    return {name: {"count": n, "ms": round(us / 1e3, 3), "grid": grid} for name, (n, us, grid) in top}
 
 
 def idle_by_phase(trace: Path, call: str = "call", min_gap_us: float = 20.0, kernels: int = 0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -153,3 +155,39 @@ def test_a_follower_never_joins_a_pass_that_leaves_its_video_unwritten(rng):
     assert scheduler._writer(leader, {}) == (None, 0)
     leader.num_computed = end
     assert scheduler._writer(follower, {}) == (None, 0)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_refill_makes_the_steps_of_a_queue_given_whole(trial, rng):
+    """Sequences handed over one at a time through `refill`, when the waiting ones run out before the budget, give
+    every step the slices it takes with the whole queue waiting from the start (followers held for their leader
+    included); a refill that adds nothing but says more may follow is asked again."""
+    block_size = int(rng.choice([4, 8]))
+    seqs = _workload(rng, int(rng.integers(2, 5)), int(rng.integers(1, 4)), block_size)
+    budget = int(rng.integers(block_size, 3 * max(s.num_tokens for s in seqs)))
+
+    def steps_of(first: int, hand_over: bool) -> list[list[tuple[str, int, int]]]:
+        queue = copy.deepcopy(seqs)
+        scheduler = Scheduler(BlockPool(400, block_size), budget)
+        for s in queue[:first]:
+            scheduler.add(s)
+        rest, empty_refills = queue[first:], [int(rng.integers(0, 2))]
+
+        def refill() -> bool:
+            if empty_refills[0]:   # a group whose every prompt failed its preparation
+                empty_refills[0] -= 1
+                return True
+            if rest:
+                scheduler.add(rest.pop(0))
+            return bool(rest) or bool(scheduler.waiting)
+
+        steps = []
+        while scheduler.has_work() or rest:
+            batch = scheduler.schedule(refill=refill if hand_over else None)
+            steps.append([(x.seq.seq_id, x.seq.num_computed, x.num_new) for x in batch])
+            scheduler.finish_step(batch)
+        return steps
+
+    whole = steps_of(len(seqs), hand_over=False)
+    assert steps_of(int(rng.integers(0, 2)), hand_over=True) == whole
+    assert len(whole) >= 1 and all(sum(n for *_, n in step) <= budget for step in whole)
