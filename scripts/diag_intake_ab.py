@@ -2,9 +2,11 @@
 """The 64 x 4 job of bench_gpu.py in one `classify` call, with the call's host work a step ahead of the device
 (engine/intake.py, the engine as it is) against other forms of it, alternated on one model in one process:
 `up_front`, every prompt built up front and each step starting its own towers (the engine before intake.py);
-`at_queued`, the work ahead of a step done only once the pass before it is queued (the twenty-first session's).
+`at_queued`, the work ahead of a step done only once the pass before it is queued (the twenty-first session's);
+`step_by_step`, each pass done and its logits read before the next step is scheduled (the twenty-second session's:
+no pass queued behind the one before, `classifier.OVERLAP_PASSES`). The first two are step by step as well.
 
-    python3 scripts/diag_intake_ab.py --model qwen2_5_vl qwen3_vl --against up_front at_queued --json F
+    python3 scripts/diag_intake_ab.py --model qwen2_5_vl qwen3_vl --against step_by_step at_queued --json F
 
 Prints per model the median wall time of each variant, their ratios, and how far their answers agree (the same
 prompts, scheduled alike; on a GPU in bf16, a pass's rows may round differently)."""
@@ -22,6 +24,19 @@ from benchlib.workload import (add_job_diag_arguments, agreement, fresh, job_dia
 
 
 @contextmanager
+def step_by_step():
+    """The engine as it is, each pass done and read before the next step is scheduled."""
+    from batchjob.engine import classifier
+
+    overlap = classifier.OVERLAP_PASSES
+    classifier.OVERLAP_PASSES = False
+    try:
+        yield
+    finally:
+        classifier.OVERLAP_PASSES = overlap
+
+
+@contextmanager
 def up_front():
     """The engine before intake.py: towers of the first step, then every prompt; no look-ahead (its first step's
     towers now include the clip the step's end cuts, which that engine left to the step)."""
@@ -36,7 +51,8 @@ def up_front():
     # nothing ahead: every prompt is in, and no tower is started before the step that reads it
     CallIntake.start, CallIntake.ahead = start_all, lambda self, batch: StepAhead(self, 0)
     try:
-        yield
+        with step_by_step():
+            yield
     finally:
         CallIntake.start, CallIntake.ahead = start, ahead
 
@@ -66,12 +82,13 @@ def at_queued():
 
     CallIntake.start, CallIntake.ahead = start_two, queued_only
     try:
-        yield
+        with step_by_step():
+            yield
     finally:
         CallIntake.start, CallIntake.ahead = start, ahead
 
 
-VARIANTS = {"ahead": nullcontext, "up_front": up_front, "at_queued": at_queued}
+VARIANTS = {"ahead": nullcontext, "step_by_step": step_by_step, "up_front": up_front, "at_queued": at_queued}
 
 
 def run_model(model_type: str, args) -> dict:

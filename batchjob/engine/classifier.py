@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 # The KV pool holds this many maximum-size requests at most: prefill-only sequences leave as soon as their
 # last token is computed, so more blocks only extend how long finished prefixes stay cached.
 KV_REQUESTS_CAP = 4
+# A step's pass is queued behind the one before it, whose logits are read only then (`runner.LayerQueue`): the step's
+# end costs the device no wait on the host's reading, bookkeeping and scheduling. False: each pass is done and read
+# before the next step is scheduled (kept for the A/B in scripts/diag_intake_ab.py).
+OVERLAP_PASSES = True
 
 
 def plan_engine_memory(checkpoint: LoadedCheckpoint, config: EngineConfig, num_layers: int, device_memory=None
@@ -232,6 +236,14 @@ class Classifier:
             option_token_ids=self.prompts.option_token_ids(len(request.options)), share_prefix=share,
             grid_thw=plan.grid_thw, video_rows=prompt.video_rows)
 
+    @staticmethod
+    def _read_answers(intake: CallIntake, requests: Seq[ClassifyRequest], batch: list, out: runner.ForwardOutput
+                      ) -> None:
+        """The answers of the requests whose last prompt token `out`'s pass computed (waits for the pass)."""
+        for row, slot in enumerate(out.finished_slices):
+            seq = batch[slot].seq
+            intake.results[seq.index] = _result(requests[seq.index].request_id, seq, out.logits[row])
+
     def _video_rows(self, batch, requests: Seq[ClassifyRequest]) -> dict:
         """Vision features for every clip whose video tokens are computed in this step (tower runs if needed)."""
         rows = {}
@@ -288,6 +300,8 @@ class Classifier:
         (intake.py)."""
         scheduler = Scheduler(self.pool, self.max_num_batched_tokens)
         intake = CallIntake.open(self, requests, admission_order(requests), next(self._call_ids), scheduler)
+        layers = runner.LayerQueue() if OVERLAP_PASSES else None
+        unread: tuple[list, runner.ForwardOutput] | None = None   # the pass queued last (and its batch), till read
         try:
             intake.start()
             while scheduler.has_work() or not intake.done:
@@ -298,14 +312,21 @@ class Classifier:
                 ahead = intake.ahead(batch)
                 out = forward(self.checkpoint.model, batch, self.kv_cache, self._attention,
                               self._video_rows(batch, requests), self.checkpoint.family.num_deepstack,
-                              on_first_wait=self.on_device_busy, on_wait=ahead.piece, on_queued=ahead.finish)
-                for row, slot in enumerate(out.finished_slices):
-                    seq = batch[slot].seq
-                    intake.results[seq.index] = _result(requests[seq.index].request_id, seq, out.logits[row])
+                              on_first_wait=self.on_device_busy, on_wait=ahead.piece,
+                              on_queued=ahead.finish if layers is None else ahead.towers, layers=layers)
+                if layers is None:
+                    self._read_answers(intake, requests, batch, out)
+                else:
+                    if unread is not None:   # the pass before this one is done: its last layers ran before this
+                        self._read_answers(intake, requests, *unread)   # pass's first, which the host waited for
+                    unread = (batch, out)
+                # the bookkeeping does not wait for the pass: the passes after it are queued behind it
                 for seq in scheduler.finish_step(batch):
                     if intake.finished(seq.media_key):  # the clip is done: keep only what a later question needs
                         first = tail_first_row(seq.video_rows, seq.video_span, self.config.block_size)
                         self._features.release_clip(seq.media_key, first, keep_tail=seq.share_prefix)
+            if unread is not None:
+                self._read_answers(intake, requests, *unread)
         finally:
             scheduler.abort_all()
             intake.abandon()   # after an exception: drop what is left in flight (nothing, otherwise)

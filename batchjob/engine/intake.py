@@ -209,8 +209,10 @@ class CallIntake:
 class StepAhead:
     """The host work for the steps after a scheduled pass, in pieces: the next step's towers, one clip a piece, then
     prompts until those waiting hold ADMIT_STEPS steps' tokens, one clip's requests a piece. `runner.forward` does a
-    piece at each wait on the pass's layers (`piece`, its `on_wait`: the layers queued then cover it) and the rest
-    once the whole pass is queued (`finish`, its `on_queued`)."""
+    piece at each wait on the pass's layers (`piece`, its `on_wait`: the layers queued then cover it), and once the
+    whole pass is queued (its `on_queued`) either the rest (`finish`) or, when the next pass is queued behind this
+    one before its logits are read, the next step's towers only (`towers`): the prompts left are built at the next
+    pass's waits, and those the next step takes at once as it is scheduled (`CallIntake.refill`)."""
 
     intake: CallIntake
     tower_budget: int   # new tokens of the next step whose clips' towers are yet to be started
@@ -226,3 +228,7 @@ class StepAhead:
     def finish(self) -> None:
         while self.piece():
             pass
+
+    def towers(self) -> None:
+        if self.tower_budget > 0:
+            self.tower_budget = self.intake.start_towers(self.tower_budget)

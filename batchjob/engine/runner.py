@@ -9,7 +9,8 @@ from the engine and only the last position of each finishing sequence reaches th
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Mapping
 
 import mlx.core as mx
@@ -37,8 +38,34 @@ class ForwardOutput:
     """Option logits for the sequences whose last prompt token was computed in this pass."""
 
     finished_slices: list[int]  # indices into the batch
-    logits: np.ndarray  # float32 [len(finished_slices), most options]: option-token logits, row i padded past
-    # the options of finished_slices[i] (only these columns ever leave the device)
+    option_logits: mx.array | None  # float32 [len(finished_slices), most options] on the device (None: no rows)
+
+    @cached_property
+    def logits(self) -> np.ndarray:
+        """The option logits on the host, row i padded past the options of finished_slices[i] (only these columns
+        ever leave the device); reading them waits for the pass."""
+        if self.option_logits is None:
+            return np.zeros((0, 0), np.float32)
+        return np.array(self.option_logits)
+
+
+@dataclass
+class LayerQueue:
+    """The layers handed to the device and not yet waited on. A pass given the queue its previous pass left keeps
+    the device fed across the step's end: its first layers are queued behind the last ones of the pass before, and
+    the LAYER_LAG bound on layers in flight (and so on activations alive) holds across the boundary as within a
+    pass. A pass given none starts an empty one and waits for all of its work before returning."""
+
+    queued: deque = field(default_factory=deque)
+
+    def push(self, h: mx.array, *writes: mx.array, before_wait: Callable[[], None]) -> None:
+        """Hand a layer's output (and its K/V writes) to the device; past LAYER_LAG layers in flight, call
+        `before_wait`, then wait for the oldest."""
+        mx.async_eval(h, *writes)
+        self.queued.append(h)
+        if len(self.queued) > LAYER_LAG:
+            before_wait()
+            mx.eval(self.queued.popleft())   # the GPU still holds LAYER_LAG layers: the host waits, the GPU does not
 
 
 @dataclass(frozen=True)
@@ -84,6 +111,7 @@ def forward(
     on_first_wait: Callable[[], None] | None = None,
     on_wait: Callable[[], object] | None = None,
     on_queued: Callable[[], None] | None = None,
+    layers: LayerQueue | None = None,
 ) -> ForwardOutput:
     """Run the decoder over the packed batch, writing KV; logits only at finishing sequences' last token.
 
@@ -92,7 +120,9 @@ def forward(
     when the host first waits on the device (work queued, the thread about to idle: `Classifier.stage`'s turn).
     `on_wait` is called before every wait on a layer, with LAYER_LAG + 1 layers queued to cover it: a short piece
     of host work (`intake.StepAhead.piece`). `on_queued` is called once the whole pass is queued, before its logits
-    are read: work queued there runs on the device right after this pass (`intake.StepAhead.finish`)."""
+    are read: work queued there runs on the device right after this pass (`intake.StepAhead.finish`). With
+    `layers` (the queue the previous pass left), the pass is left running: its logits are read when asked for
+    (`ForwardOutput.logits`), once the host has queued the next pass; without, it is done on return."""
     lm = model.language_model
     meta = build_attention_metadata([s.attention_slice() for s in batch], kv_cache.block_size)
     positions = np.concatenate(
@@ -103,7 +133,17 @@ def forward(
     position_embeddings = rotary(h, mx.array(positions[:, None, :]))
     cos, sin = position_embeddings
     tables = split_tables(cos[0][:, None, :], sin[0][:, None, :]) if pairs_suit(cos.shape[-1]) else None
-    queued: deque = deque()
+    leave_running = layers is not None
+    layers = layers if leave_running else LayerQueue()
+
+    def before_wait() -> None:
+        nonlocal on_first_wait
+        if on_first_wait is not None:
+            on_first_wait()
+            on_first_wait = None
+        if on_wait is not None:
+            on_wait()
+
     with attention_context(AttentionContext(meta, kv_cache, attention, tables)):
         for i, layer in enumerate(lm.model.layers):
             h = run_layer(layer, h, position_embeddings)
@@ -111,37 +151,25 @@ def forward(
                 width = h.shape[-1]
                 h = h.at[:, video.token_index].add(video.rows[None, :, width * (i + 1):width * (i + 2)].astype(h.dtype))
             if LAYER_LAG > 0:
-                mx.async_eval(h, kv_cache.k[i], kv_cache.v[i])
-                queued.append(h)
-                if len(queued) > LAYER_LAG:
-                    if on_first_wait is not None:
-                        on_first_wait()
-                        on_first_wait = None
-                    if on_wait is not None:
-                        on_wait()
-                    mx.eval(queued.popleft())   # the GPU still holds LAYER_LAG layers: the host waits, the GPU does not
+                layers.push(h, kv_cache.k[i], kv_cache.v[i], before_wait=before_wait)
     if on_first_wait is not None:
         on_first_wait()
     finished = [i for i, s in enumerate(batch) if s.is_last_chunk]
-    if not finished:  # a chunk of a long prompt: only the cache writes matter
-        _queued(on_queued, kv_cache.k, kv_cache.v)
-        mx.eval(kv_cache.k, kv_cache.v)
-        return ForwardOutput([], np.zeros((0, 0), np.float32))
-    last = mx.array([int(meta.cu_seqlens_q_host[i + 1]) - 1 for i in finished])
-    h_last = lm.model.norm(h[0, last])
-    logits = lm.model.embed_tokens.as_linear(h_last) if lm.args.tie_word_embeddings else lm.lm_head(h_last)
-    options = option_columns([batch[i].seq.option_token_ids for i in finished])
-    option_logits = mx.take_along_axis(logits, mx.array(options), axis=1).astype(mx.float32)
-    _queued(on_queued, option_logits, kv_cache.k, kv_cache.v)
-    mx.eval(option_logits, kv_cache.k, kv_cache.v)
-    return ForwardOutput(finished, np.array(option_logits))
-
-
-def _queued(on_queued: Callable[[], None] | None, *outputs) -> None:
-    """The pass's last work handed to the device, then `on_queued`: what it queues runs after the pass."""
+    option_logits = None
+    if finished:   # else a chunk of a long prompt: only the cache writes matter
+        last = mx.array([int(meta.cu_seqlens_q_host[i + 1]) - 1 for i in finished])
+        h_last = lm.model.norm(h[0, last])
+        logits = lm.model.embed_tokens.as_linear(h_last) if lm.args.tie_word_embeddings else lm.lm_head(h_last)
+        options = option_columns([batch[i].seq.option_token_ids for i in finished])
+        option_logits = mx.take_along_axis(logits, mx.array(options), axis=1).astype(mx.float32)
+    outputs = ([option_logits] if finished else []) + [kv_cache.k, kv_cache.v]
+    if on_queued is not None or leave_running:
+        mx.async_eval(*outputs)   # the pass's last work handed to the device: what `on_queued` queues runs after it
     if on_queued is not None:
-        mx.async_eval(*outputs)
         on_queued()
+    if not leave_running:
+        mx.eval(*outputs)
+    return ForwardOutput(finished, option_logits)
 
 
 def option_columns(option_ids: list[list[int]]) -> np.ndarray:

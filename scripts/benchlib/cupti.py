@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+API_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 def _events(trace: Path) -> list[dict]:
@@ -39,7 +40,7 @@ def cupti_summary(trace: Path) -> dict:
     events = _events(trace)
     calls, free_by_thread = {}, {}
     for e in events:
-        if e.get("cat", "") in ("cuda_runtime", "cuda_driver"):
+        if e.get("cat", "") in API_CATEGORIES:
             dur = float(e.get("dur", 0) or 0)
             c = calls.setdefault(e.get("name", "?"), [0, 0.0])
             c[0] += 1
@@ -54,6 +55,21 @@ def cupti_summary(trace: Path) -> dict:
             "gpu_span_ms": (max(h for _, h in spans) - min(lo for lo, _ in spans)) / 1e3 if spans else 0.0,
             "cuda_free_ms_by_thread": free_by_thread,
             "host_calls": {name: {"count": n, "ms": round(ms, 3)} for name, (n, ms) in top}}
+
+
+def api_calls(gap: tuple[float, float], calls: list[tuple[float, float, str]], most: int = 4,
+              least_us: float = 50.0) -> dict[str, float]:
+    """The CUDA runtime and driver calls that overlap `gap` by at least `least_us` in all, by name: ms of overlap,
+    the `most` longest (equal times by name). A host blocked in a call that waits for the device (a free, a stream
+    sync) while the device idles shows here."""
+    lo, hi = gap
+    by_name: dict[str, float] = {}
+    for a, b, name in calls:
+        overlap = min(b, hi) - max(a, lo)
+        if overlap > 0:
+            by_name[name] = by_name.get(name, 0.0) + overlap
+    kept = sorted(((us, name) for name, us in by_name.items() if us >= least_us), key=lambda t: (-t[0], t[1]))
+    return {name: round(us / 1e3, 3) for us, name in kept[:most]}
 
 
 def charge(gap: tuple[float, float], phases: list[tuple[float, float, str]]) -> dict[str, float]:
@@ -90,11 +106,13 @@ def idle_by_phase(trace: Path, call: str = "call", min_gap_us: float = 20.0, ker
     """Per host range named `call` (in trace order): its wall ms, the GPU's busy ms inside it, and its idle ms
     (gaps of at least `min_gap_us` between busy intervals, from the range's start to its end) charged to the
     host phase running then (`charge`); the gaps of at least `timeline_gap_us` in order (`gaps`: ms from the
-    call's start, length, the phases charged); with `kernels`, that many of its costliest kernels
-    (`top_kernels`)."""
+    call's start, length, the phases charged, and the CUDA runtime and driver calls the host was in then,
+    `api_calls`); with `kernels`, that many of its costliest kernels (`top_kernels`)."""
     events = _events(trace)
     marks = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0) or 0), e.get("name", "?")) for e in events
                    if e.get("cat") == "user_annotation")
+    api = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0) or 0), str(e.get("name", "?"))) for e in events
+           if e.get("cat") in API_CATEGORIES]
     calls = [m for m in marks if m[2] == call]
     phases = [m for m in marks if m[2] != call]
     busy = merged(gpu_spans(events))
@@ -111,7 +129,8 @@ def idle_by_phase(trace: Path, call: str = "call", min_gap_us: float = 20.0, ker
                     idle[name] = idle.get(name, 0.0) + us
                 if a - edge >= timeline_gap_us:
                     gaps.append({"at_ms": round((edge - lo) / 1e3, 2), "ms": round((a - edge) / 1e3, 2),
-                                 "phases": {k: round(v / 1e3, 2) for k, v in charged.items()}})
+                                 "phases": {k: round(v / 1e3, 2) for k, v in charged.items()},
+                                 "api_calls": api_calls((edge, a), api)})
             edge = max(edge, b)
         rows.append({"wall_ms": (hi - lo) / 1e3, "gpu_busy_ms": sum(b - a for a, b in inside) / 1e3,
                      "idle_ms": {k: round(v / 1e3, 3) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])},
@@ -163,7 +182,8 @@ def engine_phases(clf, call: tuple[object, str]) -> list[tuple[object, str, str 
     CallIntake, StepAhead = (getattr(intake, name, None) for name in ("CallIntake", "StepAhead"))
     phases = [(*call, "call"), (clf, "_start_towers", "towers first"), (CallIntake, "start", "towers first"),
               (CallIntake, "look_ahead", "look-ahead"), (StepAhead, "piece", "look-ahead"),
-              (StepAhead, "finish", "look-ahead"), (clf, "_prepare", "prepare"),
+              (StepAhead, "finish", "look-ahead"),
+              (StepAhead, "towers", "look-ahead"), (clf, "_prepare", "prepare"),
               (Scheduler, "schedule", "schedule"), (Scheduler, "finish_step", "finish step"),
               (clf, "_video_rows", "video rows"), (classifier_module, "_result", "results"),
               (runner, "build_attention_metadata", "forward: metadata"), (runner, "_embed", "forward: embed"),

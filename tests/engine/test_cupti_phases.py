@@ -92,7 +92,14 @@ def test_the_timeline_lists_the_long_gaps_and_the_costliest_kernels(tmp_path):
             a = int(rng.integers(lo - 30, hi))
             kernels.append((a, a + int(rng.integers(1, 90)), "kernel"))
         named = [(a, b, str(rng.choice(names))) for a, b, _ in kernels]
+        api = []   # host calls into CUDA, overlapping one another, the kernels and the call's edges
+        for _ in range(int(rng.integers(0, 10))):
+            a = int(rng.integers(lo - 50, hi))
+            api.append((a, a + int(rng.integers(1, 120)), str(rng.choice(["cudaFree", "cuStreamSynchronize",
+                                                                           "cudaLaunchKernel"]))))
         events = [{"cat": "user_annotation", "name": "call", "ts": lo, "dur": hi - lo}]
+        events += [{"cat": str(rng.choice(["cuda_runtime", "cuda_driver"])), "name": n, "ts": a, "dur": b - a}
+                   for a, b, n in api]
         events += [{"cat": "kernel", "name": n, "ts": a, "dur": b - a, "args": {"grid": [b - a, 1, 1]}}
                    for a, b, n in named]
         path = tmp_path / "trace.json"
@@ -102,6 +109,13 @@ def test_the_timeline_lists_the_long_gaps_and_the_costliest_kernels(tmp_path):
         runs = [(a, b) for a, b in _idle_runs((lo, hi), kernels) if b - a >= threshold]
         assert [(g["at_ms"], g["ms"]) for g in row["gaps"]] == [(round((a - lo) / 1e3, 2), round((b - a) / 1e3, 2))
                                                                 for a, b in runs], trial
+        for gap, (a, b) in zip(row["gaps"], runs):   # microseconds of each call's name inside the gap, 50 or more
+            inside: dict[str, int] = {}
+            for t in range(a, b):
+                for c, d, n in api:
+                    inside[n] = inside.get(n, 0) + (c <= t < d)
+            kept = sorted(((us, n) for n, us in inside.items() if us >= 50), key=lambda t: (-t[0], t[1]))[:4]
+            assert gap["api_calls"] == {n: round(us / 1e3, 3) for us, n in kept}, trial
         totals: dict[str, list] = {}
         for a, b, n in named:
             if lo <= a < hi:   # a kernel counts for the call it starts in

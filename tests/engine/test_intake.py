@@ -5,7 +5,9 @@ Checked: which towers have started when the first prompt is built (the clips the
 order); that no step encodes a tower itself when the look-ahead could; how few prompts exist when the first pass
 runs; answers identical to the whole call prepared up front with every tower started by its step; nothing kept for a
 clip whose requests all fail (started at the call's start or ahead of a later step) or after an exception; no tower
-for a clip whose input fails its check; `runner.forward`'s `on_queued` hook called once per pass, before the wait.
+for a clip whose input fails its check; `runner.forward`'s `on_queued` hook called once per pass, before the wait;
+passes overlapped (each queued behind the one before, whose logits are read only then) taking the steps and giving
+the answers of passes run one by one.
 """
 
 from __future__ import annotations
@@ -236,9 +238,11 @@ def test_prompts_are_built_a_step_ahead(tiny_classifier, rng, make_clip, make_re
 
 @pytest.mark.parametrize("name", ["qwen2_5_vl-gqa", "qwen3_vl"])
 def test_work_ahead_is_done_at_the_pass_layer_waits(tiny_classifier, rng, make_clip, make_request, monkeypatch, name):
-    """With a layer to wait on (LAYER_LAG 1 over two layers), each pass that has work ahead does its first piece at
-    that wait, before the pass is wholly queued, and the rest once it is; the steps and answers are those of the
-    same call with no waits (LAYER_LAG 0: all of it done once the pass is queued)."""
+    """With a layer to wait on (LAYER_LAG 1 over two layers), each pass that has work ahead does pieces of it at its
+    waits. Passes overlapped (the engine's way), a pass is queued behind the one before, whose logits are read only
+    then; it waits once on that pass's last layer and once on its own first, and once queued starts the next step's
+    towers only. Step by step, a pass waits once and does the rest once queued. The steps and answers are the same
+    in all three, and with no waits at all (LAYER_LAG 0)."""
     from batchjob.engine import runner
     from batchjob.engine.intake import StepAhead
 
@@ -249,51 +253,77 @@ def test_work_ahead_is_done_at_the_pass_layer_waits(tiny_classifier, rng, make_c
     budget = (int(rng.integers(prompt, 2 * prompt)) + 15) // 16 * 16
     warm = [make_request(rng, f"warm{i}", dataclasses.replace(c, media_id=c.media_id + "-w"))
             for i, c in enumerate(clips)]
-    assert all(r.error is None for r in clf.classify(warm))   # both calls below find the same text blocks cached
-    pieces, steps = [], []
-    real_piece, real_finish, real_forward = StepAhead.piece, StepAhead.finish, classifier_module.forward
+    assert all(r.error is None for r in clf.classify(warm))   # the calls below find the same text blocks cached
+    passes, events = [], []   # per pass: its pieces (where, did) and towers calls; the loop's forwards and reads
+    real = StepAhead.piece, StepAhead.finish, StepAhead.towers, classifier_module.forward, type(clf)._read_answers
     finishing = [False]
 
     def piece(self):
-        did = real_piece(self)
-        pieces[-1].append(("queued" if finishing[0] else "wait", did))
+        did = real[0](self)
+        passes[-1]["pieces"].append(("queued" if finishing[0] else "wait", did))
         return did
 
     def finish(self):
         finishing[0] = True
         try:
-            real_finish(self)
+            real[1](self)
         finally:
             finishing[0] = False
 
+    def towers(self):
+        passes[-1]["towers"] += 1
+        return real[2](self)
+
     def forward(model, batch, *a, **k):
-        pieces.append([])
-        steps.append([(s.seq.index, s.num_new) for s in batch])
-        return real_forward(model, batch, *a, **k)
+        passes.append({"pieces": [], "towers": 0, "step": [(s.seq.index, s.num_new) for s in batch]})
+        out = real[3](model, batch, *a, **k)
+        passes[-1]["out"] = out
+        events.append(("forward", len(passes) - 1))
+        return out
+
+    def read_answers(intake, requests, batch, out):
+        events.append(("read", next(i for i, p in enumerate(passes) if p.get("out") is out)))
+        return real[4](intake, requests, batch, out)
 
     monkeypatch.setattr(StepAhead, "piece", piece)
     monkeypatch.setattr(StepAhead, "finish", finish)
+    monkeypatch.setattr(StepAhead, "towers", towers)
     monkeypatch.setattr(classifier_module, "forward", forward)
+    monkeypatch.setattr(type(clf), "_read_answers", staticmethod(read_answers))
     runs = {}
-    for lag in (1, 0):
+    for overlap, lag in ((True, 1), (True, 0), (False, 1)):
         monkeypatch.setattr(runner, "LAYER_LAG", lag)
-        pieces.clear()
-        steps.clear()
-        tagged = [dataclasses.replace(r, clip=dataclasses.replace(r.clip, media_id=f"{r.clip.media_id}-{lag}"))
+        monkeypatch.setattr(classifier_module, "OVERLAP_PASSES", overlap)
+        passes.clear()
+        events.clear()
+        tagged = [dataclasses.replace(r, clip=dataclasses.replace(r.clip, media_id=f"{r.clip.media_id}-{overlap}{lag}"))
                   for r in requests]
         with _Budget(clf, budget):
-            runs[lag] = (clf.classify(tagged), list(steps), [list(p) for p in pieces])
-    (paced, paced_steps, paced_pieces), (unpaced, unpaced_steps, unpaced_pieces) = runs[1], runs[0]
-    assert paced_steps == unpaced_steps and len(paced_steps) >= 4
-    assert all(where == "queued" for p in unpaced_pieces for where, _ in p)
-    for p in paced_pieces:
-        assert [where for where, _ in p][:1] == ["wait"] and sum(where == "wait" for where, _ in p) == 1
-        assert all(where == "queued" for where, _ in p[1:]) and p[-1][1] is False   # finished: nothing left
-    assert any(did for p in paced_pieces for where, did in p if where == "wait")   # real work done at a wait
-    for a, b in zip(paced, unpaced):
-        assert a.error is None and b.error is None and a.request_id == b.request_id
-        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
-        assert a.prompt_tokens == b.prompt_tokens
+            runs[overlap, lag] = (clf.classify(tagged), [dict(p) for p in passes], list(events))
+    steps = {key: [p["step"] for p in run[1]] for key, run in runs.items()}
+    assert steps[True, 1] == steps[True, 0] == steps[False, 1] and len(steps[True, 1]) >= 4
+    n = len(steps[True, 1])
+    for (overlap, lag), (_, run_passes, run_events) in runs.items():
+        if overlap:   # pass k's logits are read once pass k + 1 is queued, before pass k + 2 is built
+            reads = [e for k in range(1, n) for e in (("forward", k), ("read", k - 1))]
+            assert run_events == [("forward", 0)] + reads + [("read", n - 1)], (overlap, lag)
+            assert all(p["towers"] == 1 and all(where == "wait" for where, _ in p["pieces"]) for p in run_passes)
+            waits = [len(p["pieces"]) for p in run_passes]
+            assert waits == ([1] + [2] * (n - 1) if lag else [0] * n), waits
+        else:
+            assert run_events == [e for k in range(n) for e in (("forward", k), ("read", k))]
+            for p in run_passes:
+                assert p["towers"] == 0 and [where for where, _ in p["pieces"]][:1] == ["wait"]
+                assert sum(where == "wait" for where, _ in p["pieces"]) == 1
+                assert all(where == "queued" for where, _ in p["pieces"][1:]) and p["pieces"][-1][1] is False
+        if lag:
+            assert any(did for p in run_passes for where, did in p["pieces"] if where == "wait")   # work at a wait
+    reference = runs[False, 1][0]
+    for key in ((True, 1), (True, 0)):
+        for a, b in zip(runs[key][0], reference):
+            assert a.error is None and b.error is None and a.request_id == b.request_id
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+            assert (a.choice, a.prompt_tokens, a.cached_tokens) == (b.choice, b.prompt_tokens, b.cached_tokens)
 
 
 def test_failed_clip_started_ahead_of_a_later_step_keeps_nothing(tiny_classifier, rng, make_clip, make_request):
@@ -339,10 +369,14 @@ def test_an_exception_mid_call_leaves_nothing_in_flight(tiny_classifier, rng, ma
     assert all(r.error is None for r in again)
 
 
-def test_on_queued_runs_once_per_pass_before_its_wait(tiny_classifier, rng, make_clip, make_request, monkeypatch):
-    """Chunked passes (no logits) included: the hook sees the pass queued and not yet waited for."""
+@pytest.mark.parametrize("overlap", [True, False])
+def test_on_queued_runs_once_per_pass_before_its_wait(tiny_classifier, rng, make_clip, make_request, monkeypatch,
+                                                      overlap):
+    """Chunked passes (no logits) included: the hook sees the pass queued and not yet waited for. Passes overlapped,
+    nothing waits between it and the next pass's start; step by step, the pass's closing wait follows it."""
     import mlx.core as mx
 
+    monkeypatch.setattr(classifier_module, "OVERLAP_PASSES", overlap)
     clf = tiny_classifier("qwen2_5_vl-gqa", max_model_len=4096)
     clip = make_clip(rng, f"chunks-{uuid.uuid4().hex}", num_frames=6, size=(112, 112))
     requests = [make_request(rng, f"c{j}", clip) for j in range(2)]
@@ -367,7 +401,7 @@ def test_on_queued_runs_once_per_pass_before_its_wait(tiny_classifier, rng, make
         results = clf.classify(requests)
     assert all(r.error is None for r in results)
     passes = events.count("pass")
-    assert passes >= 3 and events == ["pass", "queued", "wait"] * passes
+    assert passes >= 3 and events == (["pass", "queued"] if overlap else ["pass", "queued", "wait"]) * passes
 
 
 def test_key_groups_are_runs_of_equal_keys(rng):

@@ -98,3 +98,53 @@ def test_host_stays_within_lag_layers(tiny_classifier, rng, make_clip, make_requ
     assert max(depth for _, depth in events) == min(lag + 1, num_layers)
     assert len(waited) == max(0, num_layers - lag)
     assert [id(a) for a in waited] == [id(a) for a in queued[:len(waited)]]   # oldest first
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_overlapped_passes_stay_within_lag_layers(tiny_classifier, rng, make_clip, make_request, monkeypatch, lag):
+    """Across a step's end too: a pass queued behind the one before (the engine's overlapped passes) counts that
+    pass's layers still in flight, so the host is never more than `lag` layers ahead of the one it last waited for
+    (the activations the memory plan holds), and each pass after the first starts with the last layers of the pass
+    before still queued (the device is not left idle while the host reads, books and schedules)."""
+    from batchjob.engine import classifier as classifier_module
+
+    clf = tiny_classifier("qwen2_5_vl-mha")
+    num_layers = len(clf.checkpoint.model.language_model.model.layers)
+    pushed, waited, first_depths, inside = [], [], [], []
+    real_async, real_eval, real_forward = mx.async_eval, mx.eval, classifier_module.forward
+
+    def spy_forward(*args, **kwargs):
+        inside.append(len(pushed))   # where this pass's layers start
+        try:
+            return real_forward(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def spy_async(*arrays):
+        if inside and len(arrays) == 3 and any(arrays[1] is k for k in clf.kv_cache.k):   # a layer handed over
+            pushed.append(arrays[0])
+            depth = len(pushed) - len(waited)
+            assert depth <= lag + 1
+            if len(pushed) - 1 == inside[-1]:
+                first_depths.append(depth)
+        return real_async(*arrays)
+
+    def spy_eval(*arrays):
+        waited.extend(a for a in arrays if any(a is p for p in pushed))
+        return real_eval(*arrays)
+
+    clips = [make_clip(rng, f"overlap{lag}-{i}", num_frames=2, size=(56, 56)) for i in range(4)]
+    requests = [make_request(rng, f"overlap{lag}-{i}-{j}", clip) for i, clip in enumerate(clips) for j in range(2)]
+    prompt = clf._prepare(0, requests[0], -1).num_tokens
+    monkeypatch.setattr(clf.config, "max_num_batched_tokens", (prompt + 15) // 16 * 16)
+    monkeypatch.setattr(runner, "LAYER_LAG", lag)
+    monkeypatch.setattr(classifier_module, "OVERLAP_PASSES", True)
+    monkeypatch.setattr(mx, "async_eval", spy_async)
+    monkeypatch.setattr(mx, "eval", spy_eval)
+    monkeypatch.setattr(classifier_module, "forward", spy_forward)
+    results = clf.classify(requests)
+    monkeypatch.undo()
+    assert all(r.error is None for r in results)
+    assert len(first_depths) >= 3 and len(pushed) == num_layers * len(first_depths)
+    assert first_depths == [1] + [min(lag, num_layers) + 1] * (len(first_depths) - 1)
+    assert [id(a) for a in waited] == [id(a) for a in pushed[:len(waited)]]   # oldest first, across passes
