@@ -186,6 +186,7 @@ def engine_phases(clf, call: tuple[object, str]) -> list[tuple[object, str, str 
               (StepAhead, "towers", "look-ahead"), (clf, "_prepare", "prepare"),
               (Scheduler, "schedule", "schedule"), (Scheduler, "finish_step", "finish step"),
               (clf, "_video_rows", "video rows"), (classifier_module, "_result", "results"),
+              (clf, "_read_answers", "results"),   # with passes overlapped, the wait for a call's last pass
               (runner, "build_attention_metadata", "forward: metadata"), (runner, "_embed", "forward: embed"),
               (runner, "_video_injection", "forward: video rows"), (mx, "eval", "waits (mx.eval)"),
               (classifier_module, "forward", forward_label)]
