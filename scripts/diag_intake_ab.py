@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from contextlib import contextmanager, nullcontext
+from unittest import mock
 
 import numpy as np
 
@@ -23,17 +24,11 @@ from benchlib.workload import (add_job_diag_arguments, agreement, fresh, job_dia
                                run_job_diag)
 
 
-@contextmanager
 def step_by_step():
     """The engine as it is, each pass done and read before the next step is scheduled."""
     from batchjob.engine import classifier
 
-    overlap = classifier.OVERLAP_PASSES
-    classifier.OVERLAP_PASSES = False
-    try:
-        yield
-    finally:
-        classifier.OVERLAP_PASSES = overlap
+    return mock.patch.object(classifier, "OVERLAP_PASSES", False)
 
 
 @contextmanager
@@ -42,19 +37,14 @@ def up_front():
     towers now include the clip the step's end cuts, which that engine left to the step)."""
     from batchjob.engine.intake import CallIntake, StepAhead
 
-    start, ahead = CallIntake.start, CallIntake.ahead
-
     def start_all(self):
         self.start_towers(self.budget)
         self.admit(float("inf"))
 
     # nothing ahead: every prompt is in, and no tower is started before the step that reads it
-    CallIntake.start, CallIntake.ahead = start_all, lambda self, batch: StepAhead(self, 0)
-    try:
-        with step_by_step():
-            yield
-    finally:
-        CallIntake.start, CallIntake.ahead = start, ahead
+    with mock.patch.multiple(CallIntake, start=start_all, ahead=lambda self, batch: StepAhead(self, 0)), \
+            step_by_step():
+        yield
 
 
 @contextmanager
@@ -63,7 +53,7 @@ def at_queued():
     each later step done once its pass is wholly queued, none at the waits between its layers."""
     from batchjob.engine.intake import ADMIT_STEPS, CallIntake, StepAhead
 
-    start, ahead = CallIntake.start, CallIntake.ahead
+    ahead = CallIntake.ahead
 
     class QueuedOnly(StepAhead):
         def piece(self):
@@ -80,12 +70,8 @@ def at_queued():
     def queued_only(self, batch):
         return QueuedOnly(self, ahead(self, batch).tower_budget)
 
-    CallIntake.start, CallIntake.ahead = start_two, queued_only
-    try:
-        with step_by_step():
-            yield
-    finally:
-        CallIntake.start, CallIntake.ahead = start, ahead
+    with mock.patch.multiple(CallIntake, start=start_two, ahead=queued_only), step_by_step():
+        yield
 
 
 VARIANTS = {"ahead": nullcontext, "step_by_step": step_by_step, "up_front": up_front, "at_queued": at_queued}
